@@ -1,0 +1,28 @@
+"""Where each stage's outputs live. Stages talk through these files, never through globals."""
+
+from pathlib import Path
+
+ARTIFACTS = Path("artifacts")
+METRICS = Path("metrics")
+REPORTS = Path("reports")
+
+# model stage: the embedded target's HF directory (when built) + target.json (always)
+MODEL_DIR = ARTIFACTS / "model"
+TARGET_JSON = MODEL_DIR / "target.json"
+
+# prepare stage: HF `datasets` Arrow dataset (sample_id, input_ids, loss_mask, seq_len),
+# held-out eval prompts, token frequencies of the loss-masked tokens
+PREPARED_DIR = ARTIFACTS / "prepared"
+PREPARED_DATASET = PREPARED_DIR / "dataset"
+HELDOUT_PROMPTS = PREPARED_DIR / "heldout.jsonl"
+TOKEN_FREQ = PREPARED_DIR / "token_freq.json"
+
+# extract stage: shard-NNNNN.safetensors + shard-NNNNN.json manifests + extract_meta.json
+HIDDEN_STATES_DIR = ARTIFACTS / "hidden_states"
+
+# verify stage: a deterministic verdict that train depends on (so a verify-only param change
+# that does not change the verdict does not retrain), plus metrics and a human report
+VERIFY_VERDICT = ARTIFACTS / "verify" / "verdict.json"
+
+# train stage: speculators checkpoints (<epoch>/ dirs); the final draft vLLM loads
+DRAFT_DIR = ARTIFACTS / "draft"

@@ -1,0 +1,188 @@
+"""The typed schema of params.yaml: one field per tunable, validated on load.
+
+Every stage reads only its own section (the CLI passes it `params.extract`, etc.); a bad value fails here,
+before any model loads, with an error that names the key and says what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from pipeline.errors import PipelineError
+
+EMBEDDED = "embedded"
+PARAMS_FILE = Path("params.yaml")
+
+
+class ParamsError(PipelineError):
+    """A params.yaml problem, worded for the user: which key, what is wrong, what to do."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class EmbeddedModelParams(_Section):
+    """The tiny Llama target the project builds and trains itself (model.path: embedded)."""
+
+    num_layers: int = Field(8, ge=4, description="Decoder layers (>= 8 keeps the default EAGLE-3 layers distinct).")
+    hidden_size: int = Field(128, ge=16)
+    num_heads: int = Field(4, ge=1)
+    num_kv_heads: int = Field(2, ge=1)
+    intermediate_size: int = Field(384, ge=16)
+    vocab_size: int = Field(1024, ge=300, description="Byte-level BPE vocabulary trained on the shipped corpus.")
+    max_position_embeddings: int = Field(2048, ge=64)
+    train_steps: int = Field(400, ge=0, description="Optimizer steps of the brief pre-training on the corpus.")
+    train_batch_size: int = Field(16, ge=1)
+    train_seq_len: int = Field(256, ge=16)
+    lr: float = Field(3e-3, gt=0)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> "EmbeddedModelParams":
+        if self.hidden_size % self.num_heads:
+            raise ValueError("model.embedded.hidden_size must be a multiple of model.embedded.num_heads")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("model.embedded.num_heads must be a multiple of model.embedded.num_kv_heads")
+        return self
+
+
+class ModelParams(_Section):
+    path: str = Field(EMBEDDED, description="'embedded' builds the tiny target; else a local HF model directory.")
+    trust_remote_code: bool = False
+    embedded: EmbeddedModelParams = EmbeddedModelParams()
+
+    @property
+    def is_embedded(self) -> bool:
+        return self.path == EMBEDDED
+
+
+class DataParams(_Section):
+    path: str = Field("data/chat.jsonl", description="Chat JSONL: OpenAI 'messages' or ShareGPT 'conversations'.")
+    seq_len: int = Field(512, gt=0, description="Tokens per sample after the chat template; longer ones are handled per on_overlong.")
+    max_samples: int | None = Field(None, gt=0)
+    heldout_fraction: float = Field(0.1, ge=0, lt=1, description="Conversations kept out of training, used as eval prompts.")
+    on_error: Literal["fail", "skip"] = "fail"
+    on_overlong: Literal["truncate", "skip"] = "truncate"
+    seed: int = 0
+
+
+class ExtractParams(_Section):
+    layer_ids: list[int] | None = Field(
+        None, description="vLLM convention: id k = state entering layer k, id N = last layer's output before the final norm. null -> [2, N//2, N-3, N]."
+    )
+    samples_per_shard: int = Field(64, gt=0)
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    max_num_seqs: int = Field(64, gt=0, description="Requests batched per engine step.")
+    max_num_batched_tokens: int = Field(2048, gt=0)
+    tensor_parallel_size: int = Field(1, ge=1)
+    pipeline_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
+    rank: int = Field(0, ge=0, description="This machine's rank when several machines split the shards.")
+    world_size: int = Field(1, ge=1)
+
+    @field_validator("layer_ids")
+    @classmethod
+    def _layer_ids_shape(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if len(v) < 2:
+            raise ValueError("extract.layer_ids needs at least two ids (auxiliary layers + the final layer)")
+        if len(set(v)) != len(v):
+            raise ValueError(f"extract.layer_ids has duplicates: {v}")
+        if v != sorted(v):
+            raise ValueError(f"extract.layer_ids must be sorted ascending (vLLM sorts them silently): {v} -> {sorted(v)}")
+        if v[0] < 0:
+            raise ValueError(f"extract.layer_ids must be >= 0: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> "ExtractParams":
+        if self.rank >= self.world_size:
+            raise ValueError(f"extract.rank ({self.rank}) must be < extract.world_size ({self.world_size})")
+        return self
+
+
+class VerifyParams(_Section):
+    reference_samples: int = Field(8, ge=1, description="Samples re-run through a transformers reference forward.")
+    seed: int = 0
+    fp32_max_abs_error: float = Field(1e-4, gt=0, description="Allowed max |captured - reference| for fp32 extraction.")
+    bf16_error_ratio: float = Field(4.0, gt=0, description="bf16: captured error may be this many times an independent bf16 reference's error.")
+    min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match.")
+
+
+class TrainParams(_Section):
+    epochs: int = Field(20, ge=1)
+    lr: float = Field(3e-4, gt=0)
+    ttt_steps: int = Field(3, ge=1, description="Test-time-training (draft unroll) steps.")
+    draft_layers: int = Field(1, ge=1)
+    draft_vocab_size: int | None = Field(None, gt=0, description="null = the target's vocabulary.")
+    max_len: int = Field(2048, gt=0, description="Tokens packed per training batch.")
+    val_fraction: float = Field(0.1, gt=0, lt=1)
+    seed: int = 0
+
+
+class EvalParams(_Section):
+    num_speculative_tokens: int = Field(3, ge=1)
+    num_prompts: int = Field(64, ge=1)
+    max_tokens: int = Field(64, ge=1)
+
+
+class Params(_Section):
+    model: ModelParams = ModelParams()
+    data: DataParams = DataParams()
+    extract: ExtractParams = ExtractParams()
+    verify: VerifyParams = VerifyParams()
+    train: TrainParams = TrainParams()
+    eval: EvalParams = EvalParams()
+
+
+def _format_error(err: ValidationError, source: Path) -> str:
+    lines = [f"{source}: invalid params"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            lines.append(f"  {key}: unknown key; remove it or fix its spelling")
+        else:
+            lines.append(f"  {key}: {e['msg']} (got {e.get('input')!r})")
+    return "\n".join(lines)
+
+
+def load_params(path: Path | str = PARAMS_FILE) -> Params:
+    path = Path(path)
+    if not path.is_file():
+        raise ParamsError(f"{path}: not found; run from the project root or pass --params")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from e
+    if not isinstance(raw, dict):
+        raise ParamsError(f"{path}: must be a mapping of sections (model, data, extract, ...)")
+    try:
+        return Params.model_validate(raw)
+    except ValidationError as e:
+        raise ParamsError(_format_error(e, path)) from None
+
+
+def resolve_layer_ids(layer_ids: list[int] | None, num_layers: int) -> list[int]:
+    """The EAGLE-3 layers in vLLM's convention, checked against the target's depth."""
+    if layer_ids is None:
+        ids = sorted({2, num_layers // 2, num_layers - 3, num_layers})
+        if len(ids) != 4:
+            raise ParamsError(
+                f"extract.layer_ids: the default [2, N//2, N-3, N] collapses for N={num_layers} layers; "
+                "set extract.layer_ids explicitly"
+            )
+        return ids
+    bad = [i for i in layer_ids if not 0 <= i <= num_layers]
+    if bad:
+        raise ParamsError(
+            f"extract.layer_ids: {bad} out of range for a target with {num_layers} layers; "
+            f"ids go from 0 (embeddings) to {num_layers} (last layer's output, before the final norm)"
+        )
+    return list(layer_ids)
