@@ -113,7 +113,8 @@ class VerifyParams(_Section):
     seed: int = 0
     fp32_max_abs_error: float = Field(1e-4, gt=0, description="Allowed max |captured - reference| for fp32 extraction.")
     bf16_error_ratio: float = Field(4.0, gt=0, description="bf16: captured error may be this many times an independent bf16 reference's error.")
-    min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match.")
+    min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match the reference's.")
+    min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
 
 
 class TrainParams(_Section):

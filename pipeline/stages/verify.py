@@ -1,0 +1,577 @@
+"""verify: prove the extracted hidden states are right, not just present.
+
+Checks (docs/ARCHITECTURE.md lists what each catches):
+  structure   every shard: manifest vs file sha256, exact key set, dtype, [T, L, H] shape,
+              token ids and loss mask equal prepare's, sample ids complete and unique
+  values      finite, no all-zero or constant layer, per-layer stats per shard, outlier shards
+  reference   a seeded subset re-run through transformers: per-layer error and cosine, a
+              layer-identity matrix that must peak at the declared id, a +-1 token shift test
+  final_state on every masked position: argmax(lm_head(norm(h_N))) against the next token,
+              and against the reference forward's argmax on the reference subset
+  storage     bytes per token against the minimum L x H x dtype size
+A failed check exits non-zero naming shard, sample, layer and check; no verdict is written.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from pipeline import agreement
+from pipeline.atomic import atomic_write_text
+from pipeline.errors import PipelineError
+from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, REPORTS, VERIFY_VERDICT
+from pipeline.params import VerifyParams
+from pipeline.reference import DTYPES, ReferenceModel
+from pipeline.shards import FORMAT_NAME, manifest_path, read_manifest, read_meta
+from pipeline.target import load_target, sha256_file
+
+REPORT_DIR = REPORTS / "verify"
+LAYER_CSV = METRICS / "verify_layers.csv"
+OUTLIER_FACTOR = 3.0  # a shard's per-layer RMS this far from the median of all shards is flagged
+STORAGE_OVERHEAD_WARN = 1.5
+BF16_REL_FLOOR = 2.0**-8  # bf16 rounding alone gives about this relative error
+
+
+class VerifyFailed(PipelineError):
+    pass
+
+
+@dataclass
+class Finding:
+    check: str
+    message: str
+    shard: str | None = None
+    sample: int | None = None
+    layer: int | None = None
+    severity: str = "fail"  # fail | warn
+
+    def where(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
+        return ", ".join(parts)
+
+
+@dataclass
+class Report:
+    findings: list[Finding] = field(default_factory=list)
+    layer_rows: list[dict] = field(default_factory=list)
+    identity: list[list[float]] = field(default_factory=list)
+    identity_columns: list[str] = field(default_factory=list)
+    shard_stats: dict = field(default_factory=dict)
+    summary: dict = field(default_factory=dict)
+
+    def fail(self, check: str, message: str, **where) -> None:
+        self.findings.append(Finding(check, message, **where))
+
+    def warn(self, check: str, message: str, **where) -> None:
+        self.findings.append(Finding(check, message, severity="warn", **where))
+
+    def failures(self, check: str | None = None) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "fail" and (check is None or f.check == check)]
+
+
+def run(params: VerifyParams) -> None:
+    started = time.perf_counter()
+    target = load_target()
+    meta = read_meta(HIDDEN_STATES_DIR)
+    if not meta.get("complete"):
+        raise VerifyFailed(f"{HIDDEN_STATES_DIR}: extraction is not complete (extract_meta.json complete=false); re-run extract")
+    from datasets import load_from_disk
+
+    prepared = load_from_disk(str(PREPARED_DATASET))
+    VERIFY_VERDICT.unlink(missing_ok=True)  # a stale "passed" must never outlive a failed run
+
+    report = Report()
+    layer_ids: list[int] = list(meta["layer_ids"])
+    reference = ReferenceModel.load(target.path, "float32", target.trust_remote_code)
+
+    sample_to_shard = check_structure_and_values(report, meta, prepared, reference, target.hidden_size)
+    check_reference(report, params, meta, layer_ids, reference, target, sample_to_shard)
+    check_final_state_rates(report, params)
+    report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
+    extract_metrics = METRICS / "extract.json"
+    if extract_metrics.is_file():
+        extract_seconds = json.loads(extract_metrics.read_text()).get("wall_seconds")
+        if extract_seconds:
+            report.summary["verify_over_extract_time"] = round(report.summary["verify_seconds"] / extract_seconds, 4)
+    write_outputs(report, meta)
+
+    failures = report.failures()
+    if failures:
+        lines = [f"{len(failures)} check(s) failed (full report: {REPORT_DIR / 'report.md'}):"]
+        lines += [f"  [{f.check}] {f.where()}: {f.message}" for f in failures[:20]]
+        if len(failures) > 20:
+            lines.append(f"  ... and {len(failures) - 20} more")
+        raise VerifyFailed("\n".join(lines))
+    verdict = {"passed": True, "run_key": meta.get("run_key"), "layer_ids": layer_ids, "num_samples": len(prepared)}
+    atomic_write_text(VERIFY_VERDICT, json.dumps(verdict, indent=1, sort_keys=True) + "\n")
+    print(f"verify: all checks passed on {len(prepared)} samples ({report.summary['verify_seconds']:.1f} s); report: {REPORT_DIR / 'report.md'}")
+
+
+# ---------------------------------------------------------------- structure, values, final state
+
+
+def check_structure_and_values(report: Report, meta: dict, prepared, reference: ReferenceModel, hidden_size: int) -> dict[int, Path]:
+    layer_ids = meta["layer_ids"]
+    num_layers = len(layer_ids)
+    dtype = DTYPES[meta["dtype"]]
+    itemsize = torch.tensor([], dtype=dtype).element_size()
+    expected_ids = set(range(len(prepared)))
+    seen: dict[int, Path] = {}
+    total_bytes = total_tokens = 0
+    correct = counted = 0
+    per_shard_acc: dict[str, float] = {}
+
+    files = sorted(HIDDEN_STATES_DIR.glob("shard-*.safetensors"))
+    orphans = [p for p in HIDDEN_STATES_DIR.glob("shard-*.json") if not p.with_suffix(".safetensors").is_file()]
+    for p in orphans:
+        report.fail("structure", "manifest without its shard file", shard=p.stem)
+    if not files:
+        report.fail("structure", f"no shards in {HIDDEN_STATES_DIR}")
+    for path in tqdm(files, desc="verify shards", unit="shard"):
+        name = path.stem
+        if not manifest_path(path).is_file():
+            report.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume", shard=name)
+            continue
+        manifest = read_manifest(path)
+        if manifest.get("format") != FORMAT_NAME:
+            report.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}", shard=name)
+            continue
+        if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(layer_ids):
+            report.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {layer_ids}", shard=name)
+        size = path.stat().st_size
+        if size != manifest["bytes"] or sha256_file(path) != manifest["sha256"]:
+            report.fail("structure", f"file content does not match its manifest sha256/size ({size} vs {manifest['bytes']} bytes): corrupt or truncated", shard=name)
+            continue
+        sample_ids = manifest["sample_ids"]
+        expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as e:  # safetensors raises its own error types for a bad header
+            report.fail("structure", f"unreadable safetensors file: {e}", shard=name)
+            continue
+        with handle as f:
+            keys = set(f.keys())
+            if keys != expected_keys:
+                extra, missing = sorted(keys - expected_keys), sorted(expected_keys - keys)
+                report.fail(
+                    "structure",
+                    f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
+                    f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
+                    shard=name,
+                )
+                continue
+            sums = torch.zeros(num_layers, 4, dtype=torch.float64)  # sum, sum sq, abs max, count
+            shard_correct = shard_counted = 0
+            for sid in sample_ids:
+                if sid in seen:
+                    report.fail("structure", f"duplicate sample id, also in {seen[sid].stem}", shard=name, sample=sid)
+                    continue
+                seen[sid] = path
+                if sid not in expected_ids:
+                    report.fail("structure", f"sample id not in the prepared dataset (0..{len(prepared) - 1})", shard=name, sample=sid)
+                    continue
+                hs = f.get_tensor(f"{sid}/hidden_states")
+                ids = f.get_tensor(f"{sid}/input_ids")
+                mask = f.get_tensor(f"{sid}/loss_mask")
+                row = prepared[sid]
+                if not check_sample_structure(report, name, sid, hs, ids, mask, row, num_layers, hidden_size, dtype):
+                    continue
+                check_sample_values(report, name, sid, hs, layer_ids)
+                hsf = hs.float()
+                sums[:, 0] += hsf.sum(dim=(0, 2)).double()
+                sums[:, 1] += hsf.pow(2).sum(dim=(0, 2)).double()
+                sums[:, 2] = torch.maximum(sums[:, 2], hsf.abs().amax(dim=(0, 2)).double())
+                sums[:, 3] += hsf.shape[0] * hsf.shape[2]
+                c, n = next_token_hits(reference, hs[:, -1], ids, mask)
+                shard_correct += c
+                shard_counted += n
+                total_tokens += ids.numel()
+        total_bytes += size
+        correct += shard_correct
+        counted += shard_counted
+        per_shard_acc[name] = shard_correct / shard_counted if shard_counted else float("nan")
+        count = sums[:, 3].clamp_min(1)
+        mean = sums[:, 0] / count
+        rms = (sums[:, 1] / count).sqrt()
+        report.shard_stats[name] = {
+            str(lid): {
+                "mean": mean[i].item(),
+                "std": (rms[i] ** 2 - mean[i] ** 2).clamp_min(0).sqrt().item(),
+                "abs_max": sums[i, 2].item(),
+                "rms": rms[i].item(),
+            }
+            for i, lid in enumerate(layer_ids)
+        }
+
+    missing = sorted(expected_ids - set(seen))
+    if missing:
+        report.fail("structure", f"{len(missing)} sample(s) of the prepared dataset have no hidden states: {missing[:10]}")
+    check_outlier_shards(report, layer_ids)
+
+    min_bytes = num_layers * hidden_size * itemsize + 8 + 1  # hidden states + int64 id + uint8 mask
+    bytes_per_token = total_bytes / max(total_tokens, 1)
+    report.summary.update(
+        num_shards=len(files),
+        num_samples=len(seen),
+        num_tokens=total_tokens,
+        total_bytes=total_bytes,
+        bytes_per_token=round(bytes_per_token, 2),
+        min_bytes_per_token=min_bytes,
+        storage_overhead=round(bytes_per_token / min_bytes, 4),
+        final_state_next_token_acc=(correct / counted) if counted else None,
+        final_state_positions=counted,
+        per_shard_next_token_acc=per_shard_acc,
+    )
+    if total_tokens and bytes_per_token > STORAGE_OVERHEAD_WARN * min_bytes:
+        report.warn("storage", f"{bytes_per_token:.0f} bytes/token is over {STORAGE_OVERHEAD_WARN}x the minimum {min_bytes}")
+    return seen
+
+
+def check_sample_structure(report, shard, sid, hs, ids, mask, row, num_layers, hidden_size, dtype) -> bool:
+    ok = True
+    T = len(row["input_ids"])
+    if hs.dim() != 3 or tuple(hs.shape) != (T, num_layers, hidden_size):
+        report.fail("structure", f"hidden_states shape {list(hs.shape)}, expected [T={T}, L={num_layers}, H={hidden_size}]", shard=shard, sample=sid)
+        return False
+    if hs.dtype != dtype:
+        report.fail("structure", f"hidden_states dtype {hs.dtype}, the run declares {dtype}", shard=shard, sample=sid)
+        ok = False
+    if ids.tolist() != list(row["input_ids"]):
+        report.fail("structure", "input_ids differ from the prepared dataset's", shard=shard, sample=sid)
+        ok = False
+    if mask.tolist() != list(row["loss_mask"]):
+        report.fail("structure", "loss_mask differs from the prepared dataset's", shard=shard, sample=sid)
+        ok = False
+    return ok
+
+
+def check_sample_values(report: Report, shard: str, sid: int, hs: torch.Tensor, layer_ids: list[int]) -> None:
+    finite = torch.isfinite(hs)
+    for i, lid in enumerate(layer_ids):
+        layer = hs[:, i]
+        bad = (~finite[:, i]).sum().item()
+        if bad:
+            kinds = [k for k, n in (("NaN", torch.isnan(layer).sum().item()), ("Inf", torch.isinf(layer).sum().item())) if n]
+            report.fail("values", f"{bad} non-finite values ({'/'.join(kinds)})", shard=shard, sample=sid, layer=lid)
+            continue
+        if not layer.any():
+            report.fail("values", "layer is all zeros", shard=shard, sample=sid, layer=lid)
+        elif layer.numel() > 1 and (layer == layer.reshape(-1)[0]).all():
+            report.fail("values", f"layer is constant ({layer.reshape(-1)[0].item():g})", shard=shard, sample=sid, layer=lid)
+
+
+def check_outlier_shards(report: Report, layer_ids: list[int]) -> None:
+    if len(report.shard_stats) < 3:
+        return
+    for lid in map(str, layer_ids):
+        rms = {name: stats[lid]["rms"] for name, stats in report.shard_stats.items()}
+        median = float(torch.tensor(list(rms.values())).median())
+        for name, value in rms.items():
+            if median > 0 and not (median / OUTLIER_FACTOR <= value <= median * OUTLIER_FACTOR):
+                report.fail("values", f"RMS {value:.4g} is over {OUTLIER_FACTOR}x off the median {median:.4g} of all shards", shard=name, layer=int(lid))
+
+
+def next_token_hits(reference: ReferenceModel, final_state: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
+    """How often argmax(lm_head(norm(h_N))) at a masked position equals the next token."""
+    positions = mask[:-1].bool().nonzero().squeeze(-1)
+    if positions.numel() == 0:
+        return 0, 0
+    pred = reference.final_logits(final_state[positions]).argmax(-1)
+    return int((pred == ids[positions + 1]).sum()), int(positions.numel())
+
+
+def check_final_state_rates(report: Report, params: VerifyParams) -> None:
+    """Every shard's next-token accuracy from its final states against the reference forward's."""
+    ref_acc = report.summary.get("reference_next_token_acc")
+    if not ref_acc:
+        return
+    floor = params.min_accuracy_ratio * ref_acc
+    for name, acc in report.summary.get("per_shard_next_token_acc", {}).items():
+        if acc == acc and acc < floor:  # NaN-safe
+            report.fail(
+                "final_state",
+                f"next-token accuracy of lm_head(norm(h_N)) is {acc:.3f}, the reference forward gets {ref_acc:.3f}: "
+                "the final layer is not the target's pre-norm final state (norm applied? token shift? other model?)",
+                shard=name,
+                layer=report.summary.get("final_layer_id"),
+            )
+
+
+# ---------------------------------------------------------------- reference agreement
+
+
+def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids: list[int], reference: ReferenceModel, target, sample_to_shard: dict[int, Path]) -> None:
+    num_layers = meta["num_layers"]
+    report.summary["final_layer_id"] = layer_ids[-1]
+    if layer_ids[-1] != num_layers:
+        report.fail("reference", f"the last layer id is {layer_ids[-1]}, but EAGLE-3 needs the final state (id N={num_layers}) last")
+    candidates = sorted(sample_to_shard)
+    if not candidates:
+        return
+    rng = random.Random(params.seed)
+    chosen = sorted(rng.sample(candidates, min(params.reference_samples, len(candidates))))
+    calibrate = meta["dtype"] != "float32"
+    low_precision = ReferenceModel.load(target.path, meta["dtype"], target.trust_remote_code) if calibrate else None
+
+    per_layer: dict[int, list[agreement.Closeness]] = defaultdict(list)
+    per_layer_cal: dict[int, list[float]] = defaultdict(list)
+    identity_sum = None
+    shift_sum: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
+    agree = agree_n = ref_hits = ref_n = 0
+    columns = [str(j) for j in range(num_layers + 1)] + [f"norm({num_layers})"]
+
+    for sid in tqdm(chosen, desc="verify reference", unit="sample"):
+        path = sample_to_shard[sid]
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            hs = f.get_tensor(f"{sid}/hidden_states").float()
+            ids = f.get_tensor(f"{sid}/input_ids")
+            mask = f.get_tensor(f"{sid}/loss_mask")
+        if hs.dim() != 3 or hs.shape[1] != len(layer_ids):
+            continue  # already reported by the structure check
+        ref = reference.states(ids).float()  # [N+1, T, H]
+        ref_normed = reference.final_norm(ref[-1]).float()[None]
+        candidates_all = torch.cat([ref, ref_normed])
+        m = agreement.identity_matrix(hs.transpose(0, 1), candidates_all)
+        identity_sum = m if identity_sum is None else identity_sum + m
+        cal_states = low_precision.states(ids).float() if low_precision else None
+        for i, lid in enumerate(layer_ids):
+            if lid > num_layers:
+                continue
+            per_layer[lid].append(agreement.closeness(hs[:, i], ref[lid]))
+            if cal_states is not None:
+                per_layer_cal[lid].append(agreement.rel_error(cal_states[lid], ref[lid]))
+            for s, e in agreement.shift_errors(hs[:, i], ref[lid]).items():
+                shift_sum[lid][s] += e
+        positions = mask[:-1].bool().nonzero().squeeze(-1)
+        if positions.numel():
+            cap_pred = reference.final_logits(hs[positions, -1]).argmax(-1)
+            ref_pred = reference.final_logits(ref[num_layers][positions]).argmax(-1)
+            agree += int((cap_pred == ref_pred).sum())
+            agree_n += int(positions.numel())
+            ref_hits += int((ref_pred == ids[positions + 1]).sum())
+            ref_n += int(positions.numel())
+
+    identity = identity_sum / len(chosen)
+    report.identity = identity.tolist()
+    report.identity_columns = columns
+    for i, lid in enumerate(layer_ids):
+        rows = per_layer.get(lid)
+        if not rows:
+            continue
+        row = {
+            "layer_id": lid,
+            "max_abs_error": max(r.max_abs_error for r in rows),
+            "ref_abs_max": max(r.ref_abs_max for r in rows),
+            "rel_rms_error": max(r.rel_rms_error for r in rows),
+            "cosine_mean": sum(r.cosine_mean for r in rows) / len(rows),
+            "cosine_min": min(r.cosine_min for r in rows),
+            "closest_reference": columns[int(identity[i].argmin())],
+            "shift_rel_error_-1": shift_sum[lid][-1] / len(rows),
+            "shift_rel_error_0": shift_sum[lid][0] / len(rows),
+            "shift_rel_error_+1": shift_sum[lid][1] / len(rows),
+        }
+        check_layer_tolerance(report, params, meta["dtype"], row, per_layer_cal.get(lid))
+        check_identity(report, lid, row["closest_reference"], num_layers)
+        check_shift(report, lid, shift_sum[lid])
+        report.layer_rows.append(row)
+
+    argmax_agreement = agree / agree_n if agree_n else None
+    report.summary.update(
+        reference_samples=chosen,
+        reference_dtype="float32",
+        argmax_agreement=argmax_agreement,
+        reference_next_token_acc=ref_hits / ref_n if ref_n else None,
+    )
+    if argmax_agreement is not None and argmax_agreement < params.min_argmax_agreement:
+        report.fail(
+            "final_state",
+            f"argmax of lm_head(norm(h_N)) agrees with the reference forward on {argmax_agreement:.3%} of masked positions "
+            f"(needed {params.min_argmax_agreement:.0%}): missing/doubled final norm or a wrong last layer",
+            layer=layer_ids[-1],
+        )
+
+
+def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row: dict, calibration: list[float] | None) -> None:
+    lid = row["layer_id"]
+    if dtype == "float32":
+        allowed = params.fp32_max_abs_error * max(1.0, row["ref_abs_max"])
+        row["allowed"] = allowed
+        if row["max_abs_error"] > allowed:
+            report.fail(
+                "reference",
+                f"max |captured - reference| = {row['max_abs_error']:.3g} > {allowed:.3g} (fp32; cosine min {row['cosine_min']:.5f})",
+                layer=lid,
+            )
+        return
+    # low precision: as close to the fp32 reference as an independent reference in the same dtype
+    cal = max(max(calibration or [0.0]), BF16_REL_FLOOR)
+    allowed = params.bf16_error_ratio * cal
+    row["calibration_rel_rms_error"] = cal
+    row["allowed"] = allowed
+    if row["rel_rms_error"] > allowed:
+        report.fail(
+            "reference",
+            f"relative error {row['rel_rms_error']:.3g} vs the fp32 reference is over {params.bf16_error_ratio}x that of an "
+            f"independent {dtype} reference ({cal:.3g}); cosine mean {row['cosine_mean']:.4f}",
+            layer=lid,
+        )
+
+
+def check_identity(report: Report, lid: int, closest: str, num_layers: int) -> None:
+    if closest == str(lid):
+        return
+    if closest == f"norm({num_layers})":
+        hint = "the final norm was applied to the last layer (vLLM's id N is before the norm)"
+    elif closest.isdigit() and int(closest) == lid + 1:
+        hint = "off by +1: speculators 0.3.0's convention (id k = output of layer k) mixed with vLLM's?"
+    elif closest.isdigit() and int(closest) == lid - 1:
+        hint = "off by -1"
+    else:
+        hint = "layers swapped or mislabelled"
+    report.fail("reference", f"declared layer {lid} is closest to reference state {closest}: {hint}", layer=lid)
+
+
+def check_shift(report: Report, lid: int, shifts: dict[int, float]) -> None:
+    best = min(shifts, key=shifts.get)
+    if best != 0:
+        report.fail(
+            "reference",
+            f"hidden states are closer to the reference at position t{best:+d} than at t "
+            f"(errors {shifts[-1]:.3g} / {shifts[0]:.3g} / {shifts[1]:.3g}): tokens and states are misaligned",
+            layer=lid,
+        )
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def write_outputs(report: Report, meta: dict) -> None:
+    REPORT_DIR.mkdir(parents=True, exist_ok=True)
+    METRICS.mkdir(parents=True, exist_ok=True)
+    failures = report.failures()
+    checks = ("structure", "values", "reference", "final_state", "storage")
+    status = {c: ("fail" if report.failures(c) else "pass") for c in checks}
+    metrics = {
+        "passed": not failures,
+        "checks": status,
+        "num_failures": len(failures),
+        "num_warnings": sum(f.severity == "warn" for f in report.findings),
+        "layer_ids": meta["layer_ids"],
+        "dtype": meta["dtype"],
+        **{k: v for k, v in report.summary.items() if k != "per_shard_next_token_acc"},
+        "layers": {str(r["layer_id"]): {k: v for k, v in r.items() if k != "layer_id"} for r in report.layer_rows},
+    }
+    atomic_write_text(METRICS / "verify.json", json.dumps(metrics, indent=1, sort_keys=True) + "\n")
+    header = ["layer_id", "max_abs_error", "rel_rms_error", "cosine_mean", "cosine_min"]
+    csv = [",".join(header)] + [",".join(f"{r[h]:.6g}" if isinstance(r[h], float) else str(r[h]) for h in header) for r in report.layer_rows]
+    atomic_write_text(LAYER_CSV, "\n".join(csv) + "\n")
+    atomic_write_text(REPORT_DIR / "findings.json", json.dumps([asdict(f) for f in report.findings], indent=1) + "\n")
+    plots = write_plots(report)
+    atomic_write_text(REPORT_DIR / "report.md", render_markdown(report, metrics, status, plots))
+
+
+def write_plots(report: Report) -> list[str]:
+    if not report.layer_rows:
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = []
+    ids = [str(r["layer_id"]) for r in report.layer_rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    axes[0].bar(ids, [max(r["rel_rms_error"], 1e-12) for r in report.layer_rows], color="tab:blue", label="captured")
+    if any("allowed" in r for r in report.layer_rows) and "calibration_rel_rms_error" in report.layer_rows[0]:
+        axes[0].plot(ids, [r["allowed"] for r in report.layer_rows], "r_", markersize=30, label="allowed")
+        axes[0].legend()
+    axes[0].set_yscale("log")
+    axes[0].set_title("relative RMS error vs reference")
+    axes[0].set_xlabel("layer id (vLLM convention)")
+    axes[1].bar(ids, [1 - r["cosine_min"] + 1e-12 for r in report.layer_rows], color="tab:orange")
+    axes[1].set_yscale("log")
+    axes[1].set_title("1 - min cosine over positions")
+    axes[1].set_xlabel("layer id (vLLM convention)")
+    fig.tight_layout()
+    fig.savefig(REPORT_DIR / "layers.png", dpi=100)
+    plt.close(fig)
+    names.append("layers.png")
+
+    fig, ax = plt.subplots(figsize=(1 + 0.5 * len(report.identity_columns), 1 + 0.5 * len(ids)))
+    matrix = torch.tensor(report.identity).clamp_min(1e-9).log10()
+    im = ax.imshow(matrix, cmap="viridis_r", aspect="auto")
+    ax.set_xticks(range(len(report.identity_columns)), report.identity_columns, rotation=45)
+    ax.set_yticks(range(len(ids)), ids)
+    ax.set_xlabel("reference state")
+    ax.set_ylabel("declared layer id")
+    ax.set_title("log10 relative error: must be darkest on the declared id")
+    fig.colorbar(im)
+    fig.tight_layout()
+    fig.savefig(REPORT_DIR / "layer_identity.png", dpi=100)
+    plt.close(fig)
+    names.append("layer_identity.png")
+    return names
+
+
+def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str]) -> str:
+    s = report.summary
+    verdict = "PASSED" if metrics["passed"] else "FAILED"
+    out = [
+        f"# Hidden-state verification: {verdict}",
+        "",
+        f"Layers {metrics['layer_ids']} (vLLM convention: id k = input of decoder layer k, id N = last layer's output before the final norm), "
+        f"dtype {metrics['dtype']}; {s.get('num_samples')} samples, {s.get('num_tokens')} tokens in {s.get('num_shards')} shards.",
+        "",
+        "| check | what it proves | result |",
+        "| --- | --- | --- |",
+        f"| structure | every shard matches its manifest (sha256), has exactly 3 tensors per sample of shape [T, L, H], token ids and loss masks equal prepare's, every sample once | {status['structure']} |",
+        f"| values | no NaN/Inf, no all-zero or constant layer, no shard far off the others | {status['values']} |",
+        f"| reference | a transformers forward on {len(s.get('reference_samples', []))} seeded samples agrees per layer; each layer is closest to the reference state of its declared id; states align with their tokens (no +-1 shift) | {status['reference']} |",
+        f"| final_state | lm_head(norm(h_N)) predicts like the target: argmax agreement {fmt(s.get('argmax_agreement'))} with the reference; next-token accuracy {fmt(s.get('final_state_next_token_acc'))} on all {s.get('final_state_positions')} masked positions (reference forward: {fmt(s.get('reference_next_token_acc'))}) | {status['final_state']} |",
+        f"| storage | {s.get('bytes_per_token')} bytes/token against a minimum of {s.get('min_bytes_per_token')} ({s.get('total_bytes')} bytes total) | {status['storage']} |",
+        "",
+    ]
+    failures = report.failures()
+    if failures:
+        out += ["## Failures", "", "| check | where | what |", "| --- | --- | --- |"]
+        out += [f"| {f.check} | {f.where()} | {f.message} |" for f in failures[:200]]
+        out.append("")
+    warnings = [f for f in report.findings if f.severity == "warn"]
+    if warnings:
+        out += ["## Warnings", ""] + [f"- [{f.check}] {f.where()} {f.message}" for f in warnings] + [""]
+    if report.layer_rows:
+        out += [
+            "## Per layer, against the reference forward",
+            "",
+            "| layer id | max abs error | allowed | rel. RMS error | cosine mean | cosine min | closest reference state | error at t-1 / t / t+1 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        ]
+        for r in report.layer_rows:
+            out.append(
+                f"| {r['layer_id']} | {r['max_abs_error']:.3g} | {r.get('allowed', float('nan')):.3g} | {r['rel_rms_error']:.3g} | "
+                f"{r['cosine_mean']:.6f} | {r['cosine_min']:.6f} | {r['closest_reference']} | "
+                f"{r['shift_rel_error_-1']:.3g} / {r['shift_rel_error_0']:.3g} / {r['shift_rel_error_+1']:.3g} |"
+            )
+        out.append("")
+    out += [f"![{p}]({p})" for p in plots] + [""]
+    if report.shard_stats:
+        out += ["## Per-layer statistics per shard (RMS)", "", "| shard | " + " | ".join(f"layer {k}" for k in next(iter(report.shard_stats.values()))) + " |"]
+        out.append("| --- |" + " --- |" * len(next(iter(report.shard_stats.values()))))
+        for name, stats in report.shard_stats.items():
+            out.append(f"| {name} | " + " | ".join(f"{v['rms']:.4g}" for v in stats.values()) + " |")
+        out.append("")
+    out.append(f"Verify took {s.get('verify_seconds')} s" + (f" ({s['verify_over_extract_time']:.1%} of extraction time)." if "verify_over_extract_time" in s else "."))
+    return "\n".join(out) + "\n"
+
+
+def fmt(x) -> str:
+    return "n/a" if x is None else f"{x:.4f}"

@@ -1,0 +1,94 @@
+"""Bad params fail on load, before any model loads, naming the key and the fix."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline.params import ParamsError, load_params, resolve_layer_ids
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_params(tmp_path: Path, **overrides) -> Path:
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for dotted, value in overrides.items():
+        section, key = dotted.split("__")
+        params[section][key] = value
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    return path
+
+
+def test_shipped_params_are_valid():
+    load_params(ROOT / "params.yaml")
+
+
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ({"extract__layer_idz": [1, 2]}, ["extract.layer_idz", "unknown key"]),
+        ({"data__seq_len": 0}, ["data.seq_len", "greater than 0"]),
+        ({"data__seq_len": -5}, ["data.seq_len"]),
+        ({"extract__layer_ids": [4, 2]}, ["extract.layer_ids", "sorted"]),
+        ({"extract__layer_ids": [2, 2, 4]}, ["extract.layer_ids", "duplicates"]),
+        ({"extract__layer_ids": [3]}, ["extract.layer_ids", "at least two"]),
+        ({"extract__layer_ids": [-1, 3]}, ["extract.layer_ids", ">= 0"]),
+        ({"extract__rank": 2}, ["extract.rank", "world_size"]),
+        ({"data__on_error": "ignore"}, ["data.on_error", "fail", "skip"]),
+    ],
+)
+def test_bad_params_name_the_key(tmp_path, override, words):
+    with pytest.raises(ParamsError) as err:
+        load_params(write_params(tmp_path, **override))
+    for word in words:
+        assert word in str(err.value)
+
+
+def test_unknown_section_is_rejected(tmp_path):
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump({"extrakt": {"layer_ids": [1, 2]}}))
+    with pytest.raises(ParamsError, match="extrakt: unknown key"):
+        load_params(path)
+
+
+def test_layer_ids_default_and_range():
+    assert resolve_layer_ids(None, 8) == [2, 4, 5, 8]
+    assert resolve_layer_ids(None, 61) == [2, 30, 58, 61]
+    assert resolve_layer_ids([0, 8], 8) == [0, 8]
+    with pytest.raises(ParamsError, match=r"extract.layer_ids: \[9\] out of range.*8 layers"):
+        resolve_layer_ids([2, 9], 8)
+
+
+def test_cli_reports_bad_params_without_traceback(tmp_path):
+    params = write_params(tmp_path, data__seq_len=0)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--params", str(params), "run", "prepare"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "data.seq_len" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_missing_model_path_fails_before_loading(tmp_path):
+    """A model.path that is not a model directory fails in the model stage with the fix."""
+    params = write_params(tmp_path, model__path=str(tmp_path / "nope"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--params", str(params), "run", "model"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "model.path" in proc.stderr and "not a directory" in proc.stderr
+
+
+def test_missing_dataset_fails_with_path(tmp_path):
+    """prepare names data.path when the dataset file is missing (before loading the tokenizer)."""
+    params = write_params(tmp_path, data__path=str(tmp_path / "missing.jsonl"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipeline", "--params", str(params), "run", "prepare"],
+        capture_output=True, text=True, cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert "data.path" in proc.stderr and "missing.jsonl" in proc.stderr, proc.stderr
