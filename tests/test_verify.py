@@ -1,0 +1,243 @@
+"""Fault injection: each fault is planted into a copy of a clean, real vLLM extraction and verify
+must fail naming the right check (and where); clean data must raise no alarm."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pipeline import layout
+from pipeline.errors import PipelineError
+from pipeline.reference import ReferenceModel
+from pipeline.shards import complete_shards, manifest_path, read_meta, write_meta
+from pipeline.target import load_target, sha256_file
+from tests.conftest import build_tiny_llama, copy_project, run_stage
+
+pytestmark = pytest.mark.slow
+VERIFY = {"reference_samples": 4}
+
+
+@pytest.fixture
+def project(extracted: Path, project_root: Path, tmp_path: Path) -> Path:
+    """A private copy of the clean extraction project."""
+    return copy_project(project_root, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
+
+
+def verify(root: Path) -> dict:
+    run_stage(root, "verify", **VERIFY)
+    return json.loads((root / layout.METRICS / "verify.json").read_text())
+
+
+def verify_fails(root: Path, check: str, *words: str) -> str:
+    with pytest.raises(PipelineError) as err:
+        run_stage(root, "verify", **VERIFY)
+    message = str(err.value)
+    assert f"[{check}]" in message, message
+    for word in words:
+        assert word in message, message
+    assert not (root / layout.VERIFY_VERDICT).exists()
+    metrics = json.loads((root / layout.METRICS / "verify.json").read_text())
+    assert metrics["passed"] is False and metrics["checks"][check] == "fail"
+    return message
+
+
+def shards(root: Path) -> list[Path]:
+    return complete_shards(root / layout.HIDDEN_STATES_DIR)
+
+
+def rewrite(shard: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> None:
+    """Change a shard's tensors the way a buggy extractor would: content and manifest consistent."""
+    tensors = load_file(str(shard))
+    manifest = json.loads(manifest_path(shard).read_text())
+    edit(tensors, manifest)
+    save_file(tensors, str(shard), metadata={"format": manifest["format"]})
+    manifest["bytes"] = shard.stat().st_size
+    manifest["sha256"] = sha256_file(shard)
+    manifest_path(shard).write_text(json.dumps(manifest))
+
+
+def edit_states(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict, dict], None]:
+    def edit(tensors: dict, manifest: dict) -> None:
+        for sid in manifest["sample_ids"]:
+            tensors[f"{sid}/hidden_states"] = fn(tensors[f"{sid}/hidden_states"]).contiguous()
+
+    return edit
+
+
+def relabel(root: Path, layer_ids: list[int]) -> None:
+    hs_dir = root / layout.HIDDEN_STATES_DIR
+    meta = read_meta(hs_dir)
+    write_meta(hs_dir, {**meta, "layer_ids": layer_ids})
+    for shard in shards(root):
+        m = json.loads(manifest_path(shard).read_text())
+        manifest_path(shard).write_text(json.dumps({**m, "layer_ids": layer_ids}))
+
+
+def test_clean_extraction_passes(project: Path):
+    metrics = verify(project)
+    assert metrics["passed"] and metrics["num_failures"] == 0
+    assert all(v == "pass" for v in metrics["checks"].values())
+    assert json.loads((project / layout.VERIFY_VERDICT).read_text())["passed"] is True
+    layers = metrics["layers"]
+    assert set(layers) == {str(i) for i in metrics["layer_ids"]}
+    assert all(row["closest_reference"] == lid for lid, row in layers.items())
+    assert metrics["argmax_agreement"] >= 0.99
+    report = (project / layout.REPORTS / "verify" / "report.md").read_text()
+    assert "PASSED" in report and (project / layout.REPORTS / "verify" / "layer_identity.png").is_file()
+
+
+def test_verdict_is_deterministic(project: Path):
+    verify(project)
+    first = (project / layout.VERIFY_VERDICT).read_bytes()
+    verify(project)
+    assert (project / layout.VERIFY_VERDICT).read_bytes() == first
+
+
+def test_layer_ids_off_by_one(project: Path):
+    ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
+    relabel(project, [i - 1 for i in ids[:-1]] + ids[-1:])  # content is one layer later than declared
+    verify_fails(project, "reference", "off by +1", "speculators 0.3.0")
+
+
+def test_two_layers_swapped(project: Path):
+    for shard in shards(project):
+        rewrite(shard, edit_states(lambda h: h[:, [1, 0, 2, 3]]))
+    verify_fails(project, "reference", "swapped")
+
+
+def test_states_shifted_by_one_token(project: Path):
+    for shard in shards(project):
+        rewrite(shard, edit_states(lambda h: torch.cat([h[:1], h[:-1]])))
+    verify_fails(project, "reference", "misaligned")
+
+
+def test_loss_mask_shifted(project: Path):
+    def edit(tensors, manifest):
+        sid = manifest["sample_ids"][0]
+        tensors[f"{sid}/loss_mask"] = torch.roll(tensors[f"{sid}/loss_mask"], 1)
+
+    rewrite(shards(project)[1], edit)
+    verify_fails(project, "structure", "loss_mask differs", "shard-00001")
+
+
+@pytest.mark.parametrize("layout_fault", ["transposed", "per_position"])
+def test_bogus_layout(project: Path, layout_fault: str):
+    def edit(tensors, manifest):
+        for sid in manifest["sample_ids"]:
+            h = tensors.pop(f"{sid}/hidden_states")
+            if layout_fault == "transposed":
+                tensors[f"{sid}/hidden_states"] = h.transpose(0, 1).contiguous()
+            else:  # the story's 771 tensors of [512]: one tensor per position
+                for t in range(h.shape[0]):
+                    tensors[f"{sid}/hidden_states/{t}"] = h[t].flatten().contiguous()
+
+    rewrite(shards(project)[0], edit)
+    words = ("expected [T=",) if layout_fault == "transposed" else ("key set differs", "3 per sample")
+    verify_fails(project, "structure", *words)
+
+
+@pytest.mark.parametrize("value, word", [(float("nan"), "NaN"), (float("inf"), "Inf")])
+def test_non_finite(project: Path, value: float, word: str):
+    def poison(h):
+        h = h.clone()
+        h[3, 2, 5] = value
+        return h
+
+    rewrite(shards(project)[2], edit_states(poison))
+    verify_fails(project, "values", word, "shard-00002")
+
+
+def test_all_zero_layer(project: Path):
+    def zero(h):
+        h = h.clone()
+        h[:, 1] = 0
+        return h
+
+    rewrite(shards(project)[0], edit_states(zero))
+    verify_fails(project, "values", "all zeros", "layer=")
+
+
+def test_truncated_shard(project: Path):
+    shard = shards(project)[1]
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) // 2])
+    verify_fails(project, "structure", "truncated", "shard-00001")
+
+
+def test_manifest_hash_mismatch(project: Path):
+    shard = shards(project)[0]
+    m = json.loads(manifest_path(shard).read_text())
+    m["sha256"] = "0" * 64
+    manifest_path(shard).write_text(json.dumps(m))
+    verify_fails(project, "structure", "sha256")
+
+
+def test_shard_without_manifest(project: Path):
+    manifest_path(shards(project)[-1]).unlink()
+    verify_fails(project, "structure", "no manifest")
+
+
+def test_changed_dtype(project: Path):
+    rewrite(shards(project)[0], edit_states(lambda h: h.to(torch.bfloat16)))
+    verify_fails(project, "structure", "dtype torch.bfloat16")
+
+
+def test_missing_sample(project: Path):
+    def drop(tensors, manifest):
+        sid = manifest["sample_ids"].pop()
+        for key in ("hidden_states", "input_ids", "loss_mask"):
+            tensors.pop(f"{sid}/{key}")
+
+    rewrite(shards(project)[0], drop)
+    verify_fails(project, "structure", "have no hidden states")
+
+
+def test_duplicated_sample(project: Path):
+    first, second = shards(project)[:2]
+    source = load_file(str(first))
+    sid = json.loads(manifest_path(first).read_text())["sample_ids"][0]
+
+    def dup(tensors, manifest):
+        for key in ("hidden_states", "input_ids", "loss_mask"):
+            tensors[f"{sid}/{key}"] = source[f"{sid}/{key}"]
+        manifest["sample_ids"].append(sid)
+
+    rewrite(second, dup)
+    verify_fails(project, "structure", "duplicate sample id")
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_final_norm_applied(project: Path, times: int):
+    target = load_target(project / layout.TARGET_JSON)
+    norm = ReferenceModel.load(target.path, "float32").final_norm
+
+    @torch.no_grad()
+    def normed(h):
+        h = h.clone()
+        for _ in range(times):
+            h[:, -1] = norm(h[:, -1])
+        return h
+
+    for shard in shards(project):
+        rewrite(shard, edit_states(normed))
+    message = verify_fails(project, "reference", "layer=8")
+    if times == 1:
+        assert "final norm was applied" in message
+
+
+def test_states_from_another_model(project: Path, tmp_path_factory):
+    other = ReferenceModel.load(build_tiny_llama(tmp_path_factory.mktemp("other"), seed=1), "float32")
+    ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
+
+    def edit(tensors, manifest):
+        for sid in manifest["sample_ids"]:
+            tensors[f"{sid}/hidden_states"] = other.states(tensors[f"{sid}/input_ids"])[ids].transpose(0, 1).contiguous()
+
+    for shard in shards(project):
+        rewrite(shard, edit)
+    verify_fails(project, "reference", "max |captured - reference|")
