@@ -22,6 +22,14 @@ produced the request's output, in a writer thread of the engine process.
   file's lock is free.
 - CUDA: vLLM's default engine subprocess keeps stepping by itself and the files arrive shortly
   after `generate()` (on the H200 the in-process wait hung); `wait_written` only polls the locks.
+
+Streaming (`add` / `step` / `idle`): the extract stage keeps the engine fed with requests through
+`LLMEngine.add_request` + `LLMEngine.step()` (what `LLM.generate` does inside, in both versions)
+instead of one blocking `generate()` per batch, so the GPU never waits for the host to read and
+write files, and no batch ends with a part-empty tail. `add_request` with a `TokensPrompt` logs a
+one-time deprecation warning in 0.26 and 0.32 (the Renderer path is preferred) and works in both;
+a finished `RequestOutput.request_id` is the id given to `add_request` in both (vLLM appends a
+random suffix only internally).
 """
 
 from __future__ import annotations
@@ -55,7 +63,15 @@ def vllm_version() -> str:
 
 
 def on_cuda() -> bool:
-    return torch.cuda.is_available()
+    """Whether vLLM runs on a CUDA GPU here, found out without touching CUDA in this process.
+
+    `torch.cuda.is_available()` registers torch's fork guard: the engine process that vLLM then
+    forks fails with "Cannot re-initialize CUDA in forked subprocess" (seen on the H200). vLLM's
+    own platform detection asks NVML and is fork-safe.
+    """
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cuda()
 
 
 def model_config(model: Path) -> dict:
@@ -166,6 +182,45 @@ class HiddenStatesEngine:
                 raise RuntimeError(f"vLLM returned no hidden_states_path for request {out.request_id}: {params}")
             paths.append(params["hidden_states_path"])
         return paths
+
+    def add(self, request_id: str, prompt: Sequence[int]) -> None:
+        """Queue one token-id prompt; its file comes back from `step()` once the request finishes."""
+        from vllm.inputs import TokensPrompt
+
+        self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(prompt)), self.sampling)
+
+    def has_unfinished(self) -> bool:
+        return self.llm.llm_engine.has_unfinished_requests()
+
+    def step(self) -> list[tuple[str, str]]:
+        """Advance the engine by one step; return (request id, file) of the requests that finished.
+
+        Only call it while `has_unfinished()`: on CUDA it blocks until the engine process reports.
+        The files may still be being written: `written(path)` says when one is complete.
+        """
+        done = []
+        for out in self.llm.llm_engine.step():
+            if not out.finished:
+                continue
+            params = out.kv_transfer_params or {}
+            if "hidden_states_path" not in params:
+                raise RuntimeError(f"vLLM returned no hidden_states_path for request {out.request_id}: {params}")
+            done.append((out.request_id, params["hidden_states_path"]))
+        return done
+
+    def idle(self) -> None:
+        """Let the connector finish the files of finished requests (nothing is unfinished any more).
+
+        In-process (CPU) engine: an empty step hands the pending saves to the worker. Engine
+        subprocess (CUDA): it finishes them by itself; nothing to do here.
+        """
+        if self.in_process:
+            self.llm.llm_engine.step()
+
+    @staticmethod
+    def written(path: str) -> bool:
+        """True once the connector has finished writing `path` (never blocks)."""
+        return _unlocked(path)
 
     def wait_written(self, paths: Sequence[str], timeout_s: float = WRITE_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s

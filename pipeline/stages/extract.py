@@ -4,17 +4,25 @@ Reads the prepared dataset and `artifacts/model/target.json`; writes shards (doc
 `artifacts/hidden_states/` and `metrics/extract.json`. Shard k holds samples
 [k*S, (k+1)*S) and belongs to rank k % world_size. The output directory persists across runs:
 shards of an identical run (same run key) are kept and skipped, anything else is deleted first.
+
+Throughput: one thread keeps the engine fed (requests added as others finish, so the GPU never
+waits on the host and no batch ends part-empty) while a pool of threads, one per core, waits for
+vLLM's per-request files, checks them and writes the shards (each thread reads, checks, writes
+and hashes only ~0.2 GB/s on the H200 host; docs/BENCHMARKS.md). `metrics/extract.json` splits
+the time between them (`time_s`).
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import queue
+import os
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from collections import deque
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +38,12 @@ from pipeline.target import Target, load_target, sha256_json
 
 METRICS_FILE = METRICS / "extract.json"
 COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len")
+# Shard threads: one per core up to this cap. Measured on the H200 host (16 cores, Llama-8B
+# shape, 43.6k tok/s = 1.43 GB/s of hidden states): each thread writes + hashes ~0.2 GB/s there,
+# so 8 threads held the engine back (32.1k tok/s until all shards written) and 16 kept up
+# (40.2k tok/s, the engine at the plain-prefill rate). docs/BENCHMARKS.md has the runs.
+MAX_SHARD_WORKERS = 32
+POLL_S = 0.002
 
 
 def log(msg: str) -> None:
@@ -126,40 +140,6 @@ def prepare_output_dir(out: Path, run_key: str, key_fields: dict) -> set[int]:
     return done
 
 
-class ShardWriter:
-    """Writes shards on a background thread so the next forward pass overlaps the disk writes."""
-
-    def __init__(self, out: Path, extra: dict, depth: int = 2) -> None:
-        self.out, self.extra = out, extra
-        self.q: queue.Queue = queue.Queue(maxsize=depth)
-        self.error: BaseException | None = None
-        self.bytes = 0
-        self.thread = threading.Thread(target=self._loop, name="shard-writer", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        while (item := self.q.get()) is not None:
-            if self.error is None:  # after a failure keep draining so put() never blocks forever
-                try:
-                    manifest = shards.write_shard(self.out, item[0], item[1], self.extra)
-                    self.bytes += manifest["bytes"]
-                except BaseException as e:
-                    self.error = e
-
-    def put(self, index: int, samples: list[shards.Sample]) -> None:
-        self._raise()
-        self.q.put((index, samples))
-
-    def close(self) -> None:
-        self.q.put(None)
-        self.thread.join()
-        self._raise()
-
-    def _raise(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-
 @dataclass
 class Progress:
     samples: int = 0
@@ -167,6 +147,42 @@ class Progress:
     seconds: float = 0.0  # extraction only, engine start-up excluded
     load_seconds: float = 0.0
     bytes: int = 0
+    # where the time went: the feeding thread's wall time in engine steps and in adding
+    # requests; the shard threads' time summed over threads (waiting for vLLM's files,
+    # reading + checking them, writing + hashing shards)
+    time_s: dict = field(default_factory=dict)
+    shard_workers: int = 0
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.time_s[key] = self.time_s.get(key, 0.0) + seconds
+
+
+# Bit patterns of a non-finite value (exponent all ones) per dtype: integer view, magnitude
+# mask, smallest non-finite magnitude. torch.isfinite on bf16 runs at ~0.15 GB/s on a CPU core,
+# this check at ~3 GB/s; at GPU extraction rates (> 1 GB/s of hidden states) that matters.
+_NONFINITE_BITS = {
+    torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80),
+    torch.float16: (torch.int16, 0x7FFF, 0x7C00),
+    torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000),
+}
+_FINITE_CHUNK = 1 << 18
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """torch.isfinite(t).all() for a CPU tensor, in cache-sized chunks of integer ops."""
+    spec = _NONFINITE_BITS.get(t.dtype)
+    if spec is None or t.device.type != "cpu" or not t.is_contiguous():
+        return bool(torch.isfinite(t).all())
+    int_dtype, magnitude, nonfinite = spec
+    flat = t.view(int_dtype).reshape(-1).numpy()
+    buf = np.empty(min(_FINITE_CHUNK, flat.size), dtype=flat.dtype)
+    for i in range(0, flat.size, _FINITE_CHUNK):
+        chunk = flat[i : i + _FINITE_CHUNK]
+        bits = buf[: chunk.size]
+        np.bitwise_and(chunk, magnitude, out=bits)
+        if int(bits.max()) >= nonfinite:
+            return False
+    return True
 
 
 def to_sample(
@@ -189,24 +205,10 @@ def to_sample(
     hs = data["hidden_states"]
     if tuple(hs.shape) != (len(input_ids), *shape):
         raise PipelineError(f"sample {sid}: hidden_states shape {tuple(hs.shape)}, expected {(len(input_ids), *shape)}")
-    if not torch.isfinite(hs).all():
+    if not all_finite(hs):
         raise PipelineError(f"sample {sid}: vLLM returned non-finite hidden states (try extract.dtype: float32)")
     ids = torch.tensor(input_ids, dtype=torch.int64)
     return shards.Sample(sid, ids, torch.tensor(loss_mask, dtype=torch.uint8), hs)
-
-
-def batches(todo: list[int], plan: ShardPlan, min_samples: int) -> list[list[int]]:
-    """Consecutive shards grouped so each engine call gets at least `min_samples` requests."""
-    out: list[list[int]] = []
-    n = 0
-    for k in todo:
-        if not out or n >= min_samples:
-            out.append([])
-            n = 0
-        out[-1].append(k)
-        lo, hi = plan.bounds(k)
-        n += hi - lo
-    return out
 
 
 def run(params: ExtractParams) -> None:
@@ -281,11 +283,58 @@ def run(params: ExtractParams) -> None:
         "engine_load_s": round(prog.load_seconds, 2),
         "shards_written": len(todo),
         "shards_resumed": len(plan.shards) - len(todo),
+        "shard_workers": prog.shard_workers,
+        "time_s": {k: round(v, 3) for k, v in sorted(prog.time_s.items())},
         "vllm_version": version,
     }
     METRICS_FILE.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(METRICS_FILE, json.dumps(metrics, indent=1, sort_keys=True) + "\n")
     log(f"done: {len(todo)} shards written, {metrics['shards_resumed']} resumed, {prog.tokens} tokens in {wall:.1f} s")
+
+
+def shard_workers() -> int:
+    """Threads that collect vLLM's files and write shards, beside the one feeding the engine."""
+    return max(1, min(MAX_SHARD_WORKERS, os.cpu_count() or 1))
+
+
+@dataclass
+class _ShardInFlight:
+    rows: dict  # the prepared rows of this shard (sample_id, input_ids, loss_mask lists)
+    paths: list  # vLLM's file per row, filled in as requests finish
+    left: int  # rows whose request has not finished yet
+
+
+def collect_shard(
+    engine,
+    out: Path,
+    index: int,
+    rows: dict,
+    paths: list[str],
+    shape: tuple[int, int],
+    extra: dict,
+    stop: threading.Event,
+) -> tuple[int, int, int, dict]:
+    """In a shard thread: wait for the shard's files, check them, write the shard; return counts."""
+    times = {"wait_files": 0.0, "read_check": 0.0, "write_shard": 0.0}
+    samples = []
+    for r, path in enumerate(paths):
+        t0 = time.monotonic()
+        deadline = t0 + vllm_compat.WRITE_TIMEOUT_S
+        while not engine.written(path):
+            if stop.is_set():
+                raise PipelineError(f"shard {index}: stopped before vLLM wrote {path}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"vLLM did not finish writing {path} within {vllm_compat.WRITE_TIMEOUT_S:.0f} s")
+            time.sleep(POLL_S)
+        t1 = time.monotonic()
+        data = vllm_compat.read_hidden_states(path)
+        samples.append(to_sample(rows["sample_id"][r], rows["input_ids"][r], rows["loss_mask"][r], data, shape))
+        times["wait_files"] += t1 - t0
+        times["read_check"] += time.monotonic() - t1
+    t2 = time.monotonic()
+    manifest = shards.write_shard(out, index, samples, extra)
+    times["write_shard"] += time.monotonic() - t2
+    return len(samples), sum(len(s.input_ids) for s in samples), manifest["bytes"], times
 
 
 def extract_shards(
@@ -299,7 +348,13 @@ def extract_shards(
     out: Path,
     manifest_extra: dict,
 ) -> Progress:
-    """Start one engine, run the `todo` shards through it, write them; return the counts."""
+    """Start one engine, stream the `todo` shards' samples through it, write the shards; return the counts.
+
+    The calling thread feeds the engine: it keeps up to 2 x max_num_seqs requests (at most
+    4 x max_num_batched_tokens tokens) queued, steps the engine, and hands each shard whose
+    requests have all finished to a pool of shard threads. When the shard threads fall behind
+    (2 x threads shards waiting), no new shard is started until they catch up.
+    """
     prog = Progress()
     scratch = (out.parent / f"{out.name}.scratch").resolve()  # vLLM's per-request files, outside the DVC out
     shutil.rmtree(scratch, ignore_errors=True)
@@ -320,44 +375,96 @@ def extract_shards(
         trust_remote_code=target.trust_remote_code,
     )
     prog.load_seconds = time.monotonic() - t_load
-    writer = ShardWriter(out, manifest_extra)
     shape = (len(layer_ids), target.hidden_size)
+    prog.shard_workers = workers = shard_workers()
+    max_tasks = 2 * workers
+    max_requests = 2 * params.max_num_seqs
+    max_tokens = 4 * params.max_num_batched_tokens
+    pool = ThreadPoolExecutor(workers, thread_name_prefix="shard")
+    stop = threading.Event()
+
+    todo_left = deque(todo)
+    feeding: tuple[int, _ShardInFlight, int] | None = None  # (shard, state, next row to add)
+    in_flight: dict[int, _ShardInFlight] = {}
+    owner: dict[str, tuple[int, int, int]] = {}  # request id -> (shard, row, tokens)
+    engine_tokens = 0
+    ready: deque[int] = deque()  # shards whose requests all finished, not yet handed to a thread
+    tasks: dict[Future, int] = {}
     started = time.monotonic()
     bar = tqdm(total=sum(len(range(*plan.bounds(k))) for k in todo), unit="sample", desc="extract", mininterval=1.0)
     try:
-        # Many requests per engine call keep vLLM's batch full; the last call's tail runs part-empty.
-        for group in batches(todo, plan, min_samples=max(4 * params.max_num_seqs, params.samples_per_shard)):
-            first = plan.bounds(group[0])[0]
-            rows = ds[first : plan.bounds(group[-1])[1]]
-            if empty := [sid for sid, ids in zip(rows["sample_id"], rows["input_ids"], strict=True) if not ids]:
-                raise PipelineError(f"samples {empty[:5]} have no tokens; re-run the prepare stage")
-            paths = engine.generate(rows["input_ids"])
-            for k in group:
-                lo, hi = plan.bounds(k)
-                engine.wait_written(paths[lo - first : hi - first])
-                samples = [
-                    to_sample(
-                        rows["sample_id"][r - first],
-                        rows["input_ids"][r - first],
-                        rows["loss_mask"][r - first],
-                        vllm_compat.read_hidden_states(paths[r - first]),
-                        shape,
-                    )
-                    for r in range(lo, hi)
-                ]
-                writer.put(k, samples)
-                prog.samples += len(samples)
-                prog.tokens += sum(len(s.input_ids) for s in samples)
+        while True:
+            for fut in [f for f in tasks if f.done()]:
+                del tasks[fut]
+                n, tokens, nbytes, times = fut.result()  # re-raises a shard thread's error
+                prog.samples += n
+                prog.tokens += tokens
+                prog.bytes += nbytes
+                for key, sec in times.items():
+                    prog.add_time(key, sec)
                 prog.seconds = time.monotonic() - started
-                bar.update(len(samples))
-                bar.set_postfix_str(f"{prog.tokens / prog.seconds:,.0f} tok/s", refresh=False)
+                bar.update(n)
+                bar.set_postfix_str(f"{prog.tokens / max(prog.seconds, 1e-9):,.0f} tok/s", refresh=False)
+            while ready and len(tasks) < max_tasks:
+                k = ready.popleft()
+                state = in_flight.pop(k)
+                fut = pool.submit(collect_shard, engine, out, k, state.rows, state.paths, shape, manifest_extra, stop)
+                tasks[fut] = k
+
+            t_add = time.monotonic()
+            while len(owner) < max_requests and engine_tokens < max_tokens:
+                if feeding is None or feeding[2] == len(feeding[1].paths):
+                    if not todo_left or len(tasks) + len(ready) >= max_tasks:
+                        break  # nothing left, or the shard threads are behind: start no new shard
+                    k = todo_left.popleft()
+                    lo, hi = plan.bounds(k)
+                    rows = ds[lo:hi]
+                    if empty := [sid for sid, ids in zip(rows["sample_id"], rows["input_ids"], strict=True) if not ids]:
+                        raise PipelineError(f"samples {empty[:5]} have no tokens; re-run the prepare stage")
+                    feeding = (k, _ShardInFlight(rows, [None] * (hi - lo), hi - lo), 0)
+                    in_flight[k] = feeding[1]
+                k, state, r = feeding
+                ids = state.rows["input_ids"][r]
+                if owner and engine_tokens + len(ids) > max_tokens:
+                    break
+                request_id = f"s{state.rows['sample_id'][r]}"
+                engine.add(request_id, ids)
+                owner[request_id] = (k, r, len(ids))
+                engine_tokens += len(ids)
+                feeding = (k, state, r + 1)
+            prog.add_time("add_requests", time.monotonic() - t_add)
+
+            if owner:
+                t_step = time.monotonic()
+                finished = engine.step()
+                prog.add_time("engine_step", time.monotonic() - t_step)
+                for request_id, path in finished:
+                    if request_id not in owner:
+                        raise RuntimeError(f"vLLM finished request {request_id!r}, which this stage did not add")
+                    k, r, tokens = owner.pop(request_id)
+                    engine_tokens -= tokens
+                    state = in_flight[k]
+                    state.paths[r] = path
+                    state.left -= 1
+                    if state.left == 0:  # all of its requests were added and have finished
+                        ready.append(k)
+            elif tasks or ready:
+                t_idle = time.monotonic()
+                engine.idle()
+                wait(list(tasks), timeout=POLL_S, return_when=FIRST_COMPLETED)
+                prog.add_time("wait_shard_threads", time.monotonic() - t_idle)
+            elif not todo_left and (feeding is None or feeding[2] == len(feeding[1].paths)):
+                break
+        # until the last shard is on disk; the engine's shutdown (seconds on a GPU) is not extraction
+        prog.seconds = time.monotonic() - started
+    except BaseException:
+        stop.set()
+        raise
     finally:
         bar.close()
-        try:
-            writer.close()  # finishes the shards already queued, even after an error
-        finally:
-            engine.close()
-            shutil.rmtree(scratch, ignore_errors=True)
-    prog.seconds = time.monotonic() - started  # until the last shard is on disk
-    prog.bytes = writer.bytes
+        pool.shutdown(wait=True, cancel_futures=True)
+        t_close = time.monotonic()
+        engine.close()
+        shutil.rmtree(scratch, ignore_errors=True)
+        prog.add_time("engine_close", time.monotonic() - t_close)
     return prog

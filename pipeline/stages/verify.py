@@ -99,7 +99,7 @@ def run(params: VerifyParams) -> None:
     report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
     extract_metrics = METRICS / "extract.json"
     if extract_metrics.is_file():
-        extract_seconds = json.loads(extract_metrics.read_text()).get("wall_seconds")
+        extract_seconds = json.loads(extract_metrics.read_text()).get("wall_s")
         if extract_seconds:
             report.summary["verify_over_extract_time"] = round(report.summary["verify_seconds"] / extract_seconds, 4)
     write_outputs(report, meta)
@@ -285,7 +285,7 @@ def next_token_hits(reference: ReferenceModel, final_state: torch.Tensor, ids: t
     positions = mask[:-1].bool().nonzero().squeeze(-1)
     if positions.numel() == 0:
         return 0, 0
-    pred = reference.final_logits(final_state[positions]).argmax(-1)
+    pred = reference.final_logits(final_state[positions]).argmax(-1).cpu()
     return int((pred == ids[positions + 1]).sum()), int(positions.numel())
 
 
@@ -332,7 +332,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
     for sid in tqdm(chosen, desc="verify reference", unit="sample"):
         path = sample_to_shard[sid]
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            hs = f.get_tensor(f"{sid}/hidden_states").float()
+            hs = f.get_tensor(f"{sid}/hidden_states").to(reference.device).float()
             ids = f.get_tensor(f"{sid}/input_ids")
             mask = f.get_tensor(f"{sid}/loss_mask")
         if hs.dim() != 3 or hs.shape[1] != len(layer_ids):
@@ -353,8 +353,8 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
                 shift_sum[lid][s] += e
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
-            cap_pred = reference.final_logits(hs[positions, -1]).argmax(-1)
-            ref_pred = reference.final_logits(ref[num_layers][positions]).argmax(-1)
+            cap_pred = reference.final_logits(hs[positions, -1]).argmax(-1).cpu()
+            ref_pred = reference.final_logits(ref[num_layers][positions]).argmax(-1).cpu()
             agree += int((cap_pred == ref_pred).sum())
             agree_n += int(positions.numel())
             ref_hits += int((ref_pred == ids[positions + 1]).sum())

