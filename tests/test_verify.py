@@ -241,3 +241,16 @@ def test_states_from_another_model(project: Path, tmp_path_factory):
     for shard in shards(project):
         rewrite(shard, edit)
     verify_fails(project, "reference", "max |captured - reference|")
+
+
+def test_bf16_extraction_passes_with_calibrated_tolerance(project: Path):
+    """A bf16 engine run is judged against an independent bf16 reference, not a fixed threshold."""
+    from tests.conftest import EXTRACT_PARAMS
+
+    run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})
+    metrics = verify(project)
+    assert metrics["passed"] and metrics["dtype"] == "bfloat16"
+    for row in metrics["layers"].values():
+        assert 0 < row["rel_rms_error"] <= row["allowed"]
+        assert row["calibration_rel_rms_error"] > 0
+    assert "calibration_argmax_agreement" in metrics

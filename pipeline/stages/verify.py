@@ -326,7 +326,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
     per_layer_cal: dict[int, list[float]] = defaultdict(list)
     identity_sum = None
     shift_sum: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
-    agree = agree_n = ref_hits = ref_n = 0
+    agree = agree_n = ref_hits = ref_n = cal_agree = 0
     columns = [str(j) for j in range(num_layers + 1)] + [f"norm({num_layers})"]
 
     for sid in tqdm(chosen, desc="verify reference", unit="sample"):
@@ -357,6 +357,9 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
             ref_pred = reference.final_logits(ref[num_layers][positions]).argmax(-1).cpu()
             agree += int((cap_pred == ref_pred).sum())
             agree_n += int(positions.numel())
+            if cal_states is not None:
+                cal_pred = low_precision.final_logits(cal_states[num_layers][positions]).argmax(-1).cpu()
+                cal_agree += int((cal_pred == ref_pred).sum())
             ref_hits += int((ref_pred == ids[positions + 1]).sum())
             ref_n += int(positions.numel())
 
@@ -385,17 +388,25 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
         report.layer_rows.append(row)
 
     argmax_agreement = agree / agree_n if agree_n else None
+    required = params.min_argmax_agreement
+    if calibrate and agree_n:
+        # near-tied logits flip under bf16 rounding (often on random weights, and with MoE routing):
+        # ask as much agreement as an independent reference in the same dtype reaches, with slack
+        cal = cal_agree / agree_n
+        required = min(required, 1 - params.argmax_disagreement_ratio * (1 - cal))
+        report.summary["calibration_argmax_agreement"] = cal
     report.summary.update(
         reference_samples=chosen,
         reference_dtype="float32",
         argmax_agreement=argmax_agreement,
+        required_argmax_agreement=required,
         reference_next_token_acc=ref_hits / ref_n if ref_n else None,
     )
-    if argmax_agreement is not None and argmax_agreement < params.min_argmax_agreement:
+    if argmax_agreement is not None and argmax_agreement < required:
         report.fail(
             "final_state",
             f"argmax of lm_head(norm(h_N)) agrees with the reference forward on {argmax_agreement:.3%} of masked positions "
-            f"(needed {params.min_argmax_agreement:.0%}): missing/doubled final norm or a wrong last layer",
+            f"(needed {required:.1%}): missing/doubled final norm or a wrong last layer",
             layer=layer_ids[-1],
         )
 

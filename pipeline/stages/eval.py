@@ -1,0 +1,235 @@
+"""eval stage: the trained draft with speculative decoding in vLLM, against the same engine without it.
+
+Each engine runs in its own child process (`python -m pipeline.stages.eval <spec.json>`), so its
+memory is returned to the system before the next starts. Greedy decoding on the held-out prompts;
+mean acceptance length tau = 1 + accepted / drafts from vLLM's own counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.atomic import atomic_write_text
+from pipeline.errors import PipelineError
+from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS
+from pipeline.params import EvalParams
+from pipeline.stages.train import TRAIN_METRICS, final_draft
+from pipeline.target import Target, load_target
+
+EVAL_METRICS = METRICS / "eval.json"
+EVAL_REPORT = REPORTS / "eval.md"
+SPEC_COUNTERS = ("num_drafts", "num_draft_tokens", "num_accepted_tokens", "num_accepted_tokens_per_pos")
+
+
+def load_prompts(target: Target, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    if not HELDOUT_PROMPTS.is_file():
+        raise PipelineError(f"{HELDOUT_PROMPTS} not found: run the prepare stage")
+    tok = AutoTokenizer.from_pretrained(target.path, trust_remote_code=target.trust_remote_code)
+    lines = [json.loads(line) for line in HELDOUT_PROMPTS.read_text().splitlines() if line.strip()][:n]
+    if not lines:
+        raise PipelineError(f"{HELDOUT_PROMPTS} holds no prompts; lower data.heldout_fraction's rounding or add data")
+    prompts = []
+    for line in lines:
+        ids = tok.apply_chat_template(line["messages"], add_generation_prompt=True, tokenize=True, return_dict=False)
+        prompts.append(list(ids))
+    return prompts
+
+
+def engine_main(spec: dict) -> dict:
+    """Runs in the child process: one vLLM engine, a warm-up, then all prompts in one batch."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["cpu_kvcache_gib"]))
+    import torch
+
+    if not torch.accelerator.is_available():
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ~3 s start instead of ~20 s on CPU
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(
+        model=spec["target"],
+        speculative_config=spec["speculative_config"],
+        enforce_eager=True,
+        dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"],
+        tensor_parallel_size=spec["tensor_parallel_size"],
+        gpu_memory_utilization=spec["gpu_memory_utilization"],
+        trust_remote_code=spec["trust_remote_code"],
+        disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+        seed=0,
+    )
+    greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
+    before = _spec_counters(llm)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, greedy, use_tqdm=False)
+    seconds = time.perf_counter() - t0
+    after = _spec_counters(llm)
+    tokens = [list(o.outputs[0].token_ids) for o in outputs]
+    n_tokens = sum(map(len, tokens))
+    spec_counts = {k: _minus(v, before.get(k)) for k, v in after.items()}  # without the warm-up's drafts
+    return {"tokens": tokens, "seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds,
+            "spec": spec_counts}
+
+
+def _minus(a: int | list[int], b: int | list[int] | None) -> int | list[int]:
+    if b is None:
+        return a
+    return [x - y for x, y in zip(a, b, strict=True)] if isinstance(a, list) else a - b
+
+
+def _spec_counters(llm) -> dict:
+    out: dict = {}
+    for m in llm.get_metrics():
+        name = m.name.removeprefix("vllm:spec_decode_")
+        if name in SPEC_COUNTERS:
+            out[name] = list(m.values) if hasattr(m, "values") else m.value
+    return out
+
+
+def run_engine(spec: dict, label: str) -> dict:
+    with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.eval", str(spec_path), str(out_path)],
+                                start_new_session=True)
+        try:
+            rc = proc.wait()
+        finally:  # vLLM's engine-core process can outlive its parent, holding (GPU) memory
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+        if rc != 0 or not out_path.is_file():
+            raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its log is above")
+        return json.loads(out_path.read_text())
+
+
+def reconcile(train_metrics: dict | None, accept: list[float], max_gap: float) -> list[dict]:
+    """Training's per-step validation accuracy next to vLLM's per-position acceptance.
+
+    Both measure P(draft tokens 0..k all match the target's greedy choice): full_acc_k on
+    teacher-forced training data, acceptance at position k on the target's own generations."""
+    val = (train_metrics or {}).get("val", {})
+    rows = []
+    for k, a in enumerate(accept):
+        t = val.get(f"full_acc_{k}")
+        gap = None if t is None else a - t
+        rows.append({"position": k, "train_full_acc": t, "vllm_acceptance": a, "gap": gap,
+                     "flag": gap is not None and abs(gap) > max_gap})
+    return rows
+
+
+def _fmt(v: float | None) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, max_gap: float) -> None:
+    f = _fmt
+    lines = [
+        "# Draft evaluation (vLLM speculative decoding, greedy)",
+        "",
+        f"- draft: `{metrics['draft']}` (epoch {metrics['draft_epoch']}), k = {metrics['num_speculative_tokens']}, "
+        f"{metrics['num_prompts']} held-out prompts, max {metrics['max_tokens']} new tokens",
+        f"- mean acceptance length tau = **{metrics['tau']:.3f}** "
+        f"(predicted from training: {f(metrics['tau_predicted_from_training'])})",
+        f"- tokens/s: {metrics['spec_tokens_per_s']:.1f} with speculation, {metrics['baseline_tokens_per_s']:.1f} without "
+        f"(x{metrics['speedup']:.2f})",
+        f"- outputs identical to the non-speculative engine: {metrics['outputs_identical']}/{metrics['num_prompts']}"
+        + ("" if metrics["outputs_identical"] == metrics["num_prompts"] else
+           " **(greedy outputs differ: speculative decoding must not change them; check dtype/numerics)**"),
+        "",
+        "## Reconciliation: training accuracy vs serving acceptance",
+        "",
+    ]
+    if train_metrics is None:
+        lines.append(f"{TRAIN_METRICS} not found: no training figures to compare.")
+    else:
+        same = train_metrics.get("epoch") == metrics["draft_epoch"]
+        lines.append(f"Training: validation full_acc_k of epoch {train_metrics.get('epoch')}"
+                     + ("" if same else f" **(not the evaluated checkpoint, epoch {metrics['draft_epoch']})**") + ".")
+    lines += ["", "| position k | training full_acc_k | vLLM acceptance | gap | |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['position']} | {f(r['train_full_acc'])} | {f(r['vllm_acceptance'])} | {f(r['gap'])} | "
+                     f"{'**gap > ' + str(max_gap) + '**' if r['flag'] else ''} |")
+    if any(r["flag"] for r in rows):
+        lines += [
+            "",
+            f"**A gap above {max_gap} at some position.** Training data and serving disagree about what the draft sees. "
+            "Most likely the hidden states it was trained on are not the ones vLLM feeds it: a layer-id convention "
+            "mismatch (state entering vs leaving a layer, off by one) or the final state taken after instead of before "
+            "the final norm (check the verify stage's report and extract_meta.json layer_ids against the draft's "
+            "eagle_aux_hidden_state_layer_ids). Smaller gaps can also come from the distribution shift between the "
+            "training conversations and the target's own greedy outputs.",
+        ]
+    lines.append("")
+    atomic_write_text(EVAL_REPORT, "\n".join(lines))
+
+
+def run(params: EvalParams) -> None:
+    target = load_target()
+    draft = final_draft()
+    prompts = load_prompts(target, params.num_prompts)
+    k = params.num_speculative_tokens
+    max_pos = int(target.config.get("text_config", target.config).get("max_position_embeddings", 1 << 30))
+    fitting = [p for p in prompts if len(p) + params.max_tokens + k <= max_pos]
+    if not fitting:
+        raise PipelineError(f"no held-out prompt fits the target's {max_pos} positions with eval.max_tokens={params.max_tokens}")
+    base = {
+        "target": str(target.path), "prompts": fitting, "max_tokens": params.max_tokens,
+        "max_model_len": max(map(len, fitting)) + params.max_tokens + k,
+        "tensor_parallel_size": params.tensor_parallel_size, "gpu_memory_utilization": params.gpu_memory_utilization,
+        "cpu_kvcache_gib": params.cpu_kvcache_gib, "dtype": params.dtype, "trust_remote_code": target.trust_remote_code,
+    }
+    spec = run_engine({**base, "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}},
+                      "speculative")
+    plain = run_engine({**base, "speculative_config": None}, "baseline")
+
+    counts = spec["spec"]
+    drafts = counts.get("num_drafts", 0)
+    if not drafts:
+        raise PipelineError("vLLM reported no speculative drafts: speculative decoding did not run")
+    accept = [a / drafts for a in counts["num_accepted_tokens_per_pos"][:k]]
+    train_metrics = json.loads(TRAIN_METRICS.read_text()) if TRAIN_METRICS.is_file() else None
+    rows = reconcile(train_metrics, accept, params.max_acceptance_gap)
+    predicted = None
+    if train_metrics and all(r["train_full_acc"] is not None for r in rows):
+        predicted = 1 + sum(r["train_full_acc"] for r in rows)
+    metrics = {
+        "draft": str(draft),
+        "draft_epoch": int(draft.name) if draft.name.isdigit() else None,
+        "num_prompts": len(fitting),
+        "num_speculative_tokens": k,
+        "max_tokens": params.max_tokens,
+        "tau": 1 + counts["num_accepted_tokens"] / drafts,
+        "tau_predicted_from_training": predicted,
+        "acceptance_per_position": accept,
+        "draft_token_acceptance_rate": counts["num_accepted_tokens"] / max(counts["num_draft_tokens"], 1),
+        "num_drafts": drafts,
+        "spec_tokens_per_s": spec["tokens_per_s"],
+        "baseline_tokens_per_s": plain["tokens_per_s"],
+        "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
+        "outputs_identical": sum(a == b for a, b in zip(spec["tokens"], plain["tokens"], strict=True)),
+        "reconciliation_flagged_positions": [r["position"] for r in rows if r["flag"]],
+    }
+    atomic_write_text(EVAL_METRICS, json.dumps(metrics, indent=1) + "\n")
+    write_report(metrics, rows, train_metrics, params.max_acceptance_gap)
+    print(f"[eval] tau {metrics['tau']:.3f}, acceptance {[round(a, 3) for a in accept]}, "
+          f"{metrics['spec_tokens_per_s']:.0f} vs {metrics['baseline_tokens_per_s']:.0f} tok/s, "
+          f"identical {metrics['outputs_identical']}/{metrics['num_prompts']}")
+
+
+if __name__ == "__main__":  # the engine child: python -m pipeline.stages.eval SPEC_JSON OUT_JSON
+    result = engine_main(json.loads(Path(sys.argv[1]).read_text()))
+    Path(sys.argv[2]).write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # engine shutdown can hang (seen on GPU); the result is written, the parent kills the rest

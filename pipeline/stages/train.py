@@ -1,0 +1,307 @@
+"""train stage: speculators' own EAGLE-3 trainer on our hidden-state shards.
+
+Checkpoints go to DRAFT_DIR/<epoch>/ (a speculators checkpoint vLLM loads as an EAGLE-3 draft);
+DRAFT_DIR/final.json names the last epoch's. A killed run resumes from its last complete epoch;
+a run key (params + data + target) makes a changed input start afresh instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import csv
+import io
+import json
+import logging
+import shutil
+import time
+from collections.abc import Iterator
+from importlib.metadata import version
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from speculators.model import SpeculatorModel
+from speculators.models.eagle3.data import shift_batch
+from speculators.train.cli import build_draft_model, set_seed
+from speculators.train.config import TrainConfig
+from speculators.train.dataloader import _setup_dataloader
+from speculators.train.logger import setup_root_logger
+from speculators.train.trainer import Trainer, TrainerConfig
+from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
+
+from pipeline import shards, speculators_cpu
+from pipeline.atomic import atomic_write_text
+from pipeline.errors import PipelineError
+from pipeline.layout import DRAFT_DIR, HIDDEN_STATES_DIR, METRICS, TOKEN_FREQ, VERIFY_VERDICT
+from pipeline.params import TrainParams
+from pipeline.target import Target, load_target, sha256_file, sha256_json
+from pipeline.train_data import ShardDataset, index_shards, split_refs
+
+TRAIN_METRICS = METRICS / "train.json"
+TRAIN_CURVE = METRICS / "train_curve.csv"
+FINAL_POINTER = DRAFT_DIR / "final.json"
+RUN_KEY = DRAFT_DIR / "run_key.json"
+EPOCH_METRICS = "epoch_metrics.json"  # written into each <epoch>/ dir; with training_state.json marks it complete
+log = logging.getLogger("pipeline.train")
+
+
+def check_inputs(meta: dict) -> None:
+    """Only complete hidden states of a format we know, and only the ones verify passed."""
+    where = HIDDEN_STATES_DIR / shards.META_FILE
+    if (meta.get("format"), meta.get("format_version")) != (shards.FORMAT_NAME, shards.FORMAT_VERSION):
+        raise PipelineError(f"{where}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
+                            f"{shards.FORMAT_NAME!r} v{shards.FORMAT_VERSION}; re-run extract")
+    if not meta.get("complete"):
+        raise PipelineError(f"{where}: the extract run has not finished; run it to completion first")
+    if not VERIFY_VERDICT.is_file():
+        raise PipelineError(f"{VERIFY_VERDICT} not found: run the verify stage; train uses only verified hidden states")
+    verdict = json.loads(VERIFY_VERDICT.read_text())
+    if not verdict.get("passed") or verdict.get("run_key") != meta.get("run_key"):
+        raise PipelineError(f"{VERIFY_VERDICT} does not vouch for these hidden states (run_key "
+                            f"{str(verdict.get('run_key'))[:12]} vs {str(meta.get('run_key'))[:12]}); re-run verify")
+
+
+def check_layer_ids(meta: dict, target: Target) -> list[int]:
+    """The auxiliary layer ids speculators wants (all but the last), after checking the shards'
+    last layer really is the target's final pre-norm state (vLLM id N)."""
+    ids, n = list(meta.get("layer_ids") or []), target.num_layers
+    where = f"{HIDDEN_STATES_DIR / shards.META_FILE}"
+    if len(ids) < 2 or ids != sorted(set(ids)) or ids[0] < 0:
+        raise PipelineError(f"{where}: layer_ids {ids} must be >= 2 distinct ids in ascending order")
+    if meta.get("num_layers", n) != n or ids[-1] != n:
+        raise PipelineError(
+            f"{where}: layer_ids {ids} (from a {meta.get('num_layers')}-layer model) do not end with id {n}, the "
+            f"final pre-norm state of the {n}-layer target {target.path}; EAGLE-3 training needs it as the last layer. "
+            "Re-run extract for this target (`dvc repro extract`)"
+        )
+    if meta.get("hidden_size") != target.hidden_size:
+        raise PipelineError(f"{where}: hidden_size {meta.get('hidden_size')} != the target's {target.hidden_size}")
+    first = next(iter(shards.complete_shards(HIDDEN_STATES_DIR)), None)
+    if first is None:
+        raise PipelineError(f"{HIDDEN_STATES_DIR}: no complete shard; re-run extract")
+    sid = shards.read_manifest(first)["sample_ids"][0]
+    with safe_open(str(first), framework="pt") as f:
+        shape = f.get_slice(f"{sid}/hidden_states").get_shape()
+    if shape[1:] != [len(ids), target.hidden_size]:
+        raise PipelineError(f"{first}: sample {sid} has hidden states {shape}, expected [T, {len(ids)}, {target.hidden_size}] "
+                            f"for layer_ids {ids}; the shards do not match {where}")
+    return ids[:-1]
+
+
+def vocab_mapping(params: TrainParams, target: Target) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:
+    """(d2t, t2d, draft vocab size) from prepare's token counts; no mapping for the full vocabulary."""
+    size = params.draft_vocab_size or target.vocab_size
+    if size > target.vocab_size:
+        raise PipelineError(f"train.draft_vocab_size {size} exceeds the target vocabulary ({target.vocab_size})")
+    if size == target.vocab_size:
+        return None, None, size
+    if not TOKEN_FREQ.is_file():
+        raise PipelineError(f"train.draft_vocab_size={size} needs {TOKEN_FREQ}: run the prepare stage")
+    counts = json.loads(TOKEN_FREQ.read_text())
+    d2t, t2d = build_vocab_mappings_from_distribution({i: c for i, c in enumerate(counts) if c}, size, target.vocab_size)
+    return d2t, t2d, size
+
+
+def run_key(params: TrainParams, meta: dict, target: Target) -> dict:
+    """What the checkpoints depend on. extract's own run key, not its whole meta: an extract rerun
+    that only changed engine settings keeps the same shards, and then training need not restart."""
+    manifests = [shards.read_manifest(p)["sha256"] for p in shards.complete_shards(HIDDEN_STATES_DIR)]
+    return {
+        "params": params.model_dump(),
+        "extract_run_key": meta.get("run_key"),
+        "layer_ids": meta["layer_ids"],
+        "shards_sha256": sha256_json(manifests),
+        "target": target.fingerprint["sha256"],
+        "token_freq": sha256_file(TOKEN_FREQ) if params.draft_vocab_size and TOKEN_FREQ.is_file() else None,
+        "speculators": version("speculators"),
+    }
+
+
+def complete_epochs() -> list[int]:
+    return sorted(
+        int(d.name) for d in DRAFT_DIR.glob("[0-9]*")
+        if d.name.isdigit() and not d.is_symlink() and (d / "training_state.json").is_file() and (d / EPOCH_METRICS).is_file()
+    )
+
+
+def prepare_draft_dir(key: dict) -> None:
+    """Keep what a resume can use: nothing if the key changed, else only complete epochs."""
+    stored = json.loads(RUN_KEY.read_text()) if RUN_KEY.is_file() else None
+    if stored != key and DRAFT_DIR.exists():
+        log.info("train: %s; starting afresh", "inputs changed since the last run" if stored else "no run key")
+        shutil.rmtree(DRAFT_DIR)
+    DRAFT_DIR.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(RUN_KEY, json.dumps(key, indent=1, sort_keys=True) + "\n")
+    done = set(complete_epochs())
+    for d in DRAFT_DIR.iterdir():
+        # a killed save, an epoch whose metrics were never recorded, a SIGTERM 'interrupted' dir
+        if d.is_dir() and not d.is_symlink() and not (d.name.isdigit() and int(d.name) in done):
+            log.info("train: removing incomplete checkpoint %s", d)
+            shutil.rmtree(d)
+        elif d.is_symlink() and not d.exists():
+            d.unlink()
+    FINAL_POINTER.unlink(missing_ok=True)
+
+
+class EpochMetrics(logging.Handler):
+    """Captures speculators' metric records (logger 'speculators.metrics'): per-step train metrics
+    are averaged over the epoch, and the validation record (logged after the epoch's checkpoint)
+    is written with them into <epoch>/epoch_metrics.json."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sums: dict[str, float] = {}
+        self.steps = 0
+        self.t0 = time.perf_counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = record.msg
+        if not isinstance(msg, dict):
+            return
+        if "train" in msg:
+            for k, v in msg["train"].items():
+                self.sums[k] = self.sums.get(k, 0.0) + float(v)
+            self.steps += 1
+        elif "val" in msg:
+            epoch = int(msg["epoch"])
+            row = {
+                "epoch": epoch,
+                "seconds": round(time.perf_counter() - self.t0, 2),
+                "steps": self.steps,
+                "val": {k.removesuffix("_epoch"): v for k, v in msg["val"].items() if not k.startswith("error_records")},
+                "train": {k: v / max(self.steps, 1) for k, v in self.sums.items() if not k.startswith("error_records")},
+            }
+            atomic_write_text(DRAFT_DIR / str(epoch) / EPOCH_METRICS, json.dumps(row, indent=1) + "\n")
+            log.info("train: epoch %d done in %.1f s: val loss %.4f, full_acc %s", epoch, row["seconds"],
+                     row["val"].get("loss", float("nan")),
+                     [round(v, 3) for k, v in sorted(row["val"].items()) if k.startswith("full_acc_")])
+            self.sums, self.steps, self.t0 = {}, 0, time.perf_counter()
+
+
+@contextlib.contextmanager
+def collect_epoch_metrics() -> Iterator[None]:
+    metrics_logger = logging.getLogger("speculators.metrics")
+    collector = EpochMetrics()
+    saved = metrics_logger.level, metrics_logger.propagate
+    metrics_logger.addHandler(collector)
+    metrics_logger.setLevel(logging.INFO)  # the records are INFO; a caller's root level may be higher
+    metrics_logger.propagate = False  # no per-step console lines
+    try:
+        yield
+    finally:
+        metrics_logger.removeHandler(collector)
+        metrics_logger.level, metrics_logger.propagate = saved
+
+
+def speculators_config(params: TrainParams, target: Target, aux_ids: list[int], dtype: str) -> TrainConfig:
+    flat = {
+        "speculator_type": "eagle3",
+        "seed": params.seed,
+        "mask_token_id": 0,  # EAGLE-3 never uses it; set so speculators does not load the tokenizer to resolve it
+        "verifier_name_or_path": str(target.path),
+        "trust_remote_code": target.trust_remote_code,
+        "num_layers": params.draft_layers,
+        "target_layer_ids": aux_ids,
+        "draft_vocab_size": params.draft_vocab_size,
+        "data_path": str(HIDDEN_STATES_DIR),
+        "total_seq_len": params.max_len,
+        "hidden_states_dtype": dtype,
+        "ttt_steps": params.ttt_steps,
+        "optimizer": params.optimizer,
+        "lr": params.lr,
+        "epochs": params.epochs,
+        "save_path": str(DRAFT_DIR),
+        "log_freq": 1,  # every step's metrics feed the epoch means
+        **(speculators_cpu.cpu_trainer_options() if speculators_cpu.needed() else {}),
+    }
+    return TrainConfig.from_flat(flat)
+
+
+def train(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int) -> None:
+    """What `speculators train` does after resolving its config, with our datasets in place of its
+    Arrow/hidden-states files."""
+    args = argparse.Namespace(**cfg.flatten())
+    set_seed(args.seed)
+    # the resolved speculators config; not cfg.save(), which also stores timestamps and a git diff of the cwd's repo
+    atomic_write_text(Path(args.save_path) / "run.yaml", cfg.dump_yaml())
+    model_class = SpeculatorModel.registry["eagle3"]
+    model = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
+    dtype = getattr(torch, args.hidden_states_dtype)
+    train_refs, val_refs = split_refs(index_shards(HIDDEN_STATES_DIR), params.val_fraction, params.seed)
+    if not train_refs or not val_refs:
+        raise PipelineError(f"{HIDDEN_STATES_DIR}: {len(train_refs) + len(val_refs)} samples cannot make both a train and a val split")
+    hidden_size = model.config.transformer_layer_config.hidden_size
+    loader = dict(total_seq_len=args.total_seq_len, hidden_size=hidden_size, num_workers=args.num_workers,
+                  num_target_layers=len(model.target_layer_ids), prefetch_factor=args.prefetch_factor, preprocess=shift_batch)
+    train_loader = _setup_dataloader(ShardDataset(train_refs, args.total_seq_len, dtype), seed=args.seed, **loader)
+    val_loader = _setup_dataloader(ShardDataset(val_refs, args.total_seq_len, dtype), **loader)
+    train_kwargs, val_kwargs = model_class.get_trainer_kwargs(**vars(args))
+    config = TrainerConfig(
+        lr=args.lr, num_epochs=args.epochs, save_path=args.save_path, resume_from_checkpoint=True,
+        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=args.optimizer,
+        weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
+        muon_weight_decay=args.muon_weight_decay, muon_ns_steps=args.muon_ns_steps,
+        muon_adjust_lr_fn=args.muon_adjust_lr_fn, scheduler_type=args.scheduler_type,
+        hidden_states_dtype=dtype, log_freq=args.log_freq,
+    )
+    Trainer(model, config, train_loader, val_loader).run_training()
+
+
+def write_metrics(epochs: list[int]) -> None:
+    rows = [json.loads((DRAFT_DIR / str(e) / EPOCH_METRICS).read_text()) for e in epochs]
+    last = rows[-1]
+    summary = {**last, "epochs_trained": len(rows), "mean_epoch_seconds": round(sum(r["seconds"] for r in rows) / len(rows), 2)}
+    atomic_write_text(TRAIN_METRICS, json.dumps(summary, indent=1) + "\n")
+    flat = [{"epoch": r["epoch"], "seconds": r["seconds"], **{f"val_{k}": v for k, v in r["val"].items()},
+             **{f"train_{k}": v for k, v in r["train"].items()}} for r in rows]
+    out = io.StringIO()
+    writer = csv.DictWriter(out, fieldnames=list(dict.fromkeys(k for row in flat for k in row)))
+    writer.writeheader()
+    writer.writerows(flat)
+    atomic_write_text(TRAIN_CURVE, out.getvalue())
+
+
+def run(params: TrainParams) -> None:
+    target = load_target()
+    try:
+        meta = shards.read_meta(HIDDEN_STATES_DIR)
+    except FileNotFoundError as e:
+        raise PipelineError(str(e)) from None
+    check_inputs(meta)
+    aux_ids = check_layer_ids(meta, target)
+    d2t, t2d, draft_vocab_size = vocab_mapping(params, target)
+    dtype = params.hidden_states_dtype
+    if dtype == "auto":
+        dtype = "float32" if speculators_cpu.needed() else "bfloat16"
+
+    setup_root_logger()
+    log.setLevel(logging.INFO)
+    prepare_draft_dir(run_key(params, meta, target))
+    done = complete_epochs()
+    if not done or done[-1] < params.epochs - 1:
+        if done:
+            log.info("train: resuming after epoch %d (checkpoints %s)", done[-1], DRAFT_DIR)
+        with collect_epoch_metrics(), speculators_cpu.cpu_training():
+            train(speculators_config(params, target, aux_ids, dtype), params, d2t, t2d, draft_vocab_size)
+        done = complete_epochs()
+    if not done or done[-1] != params.epochs - 1:
+        # speculators turns SIGINT/SIGTERM into an 'interrupted' checkpoint and returns normally
+        raise PipelineError(f"training stopped after epoch {done[-1] if done else None} of {params.epochs}; re-run to resume")
+    for link in DRAFT_DIR.iterdir():  # speculators' convenience links (epochN_end, checkpoint_best): final.json is ours
+        if link.is_symlink():
+            link.unlink()
+    write_metrics(done)
+    final = DRAFT_DIR / str(done[-1])
+    atomic_write_text(FINAL_POINTER, json.dumps({"epoch": done[-1], "path": str(final)}, indent=1) + "\n")
+    log.info("train: final draft %s", final)
+
+
+def final_draft() -> Path:
+    """The checkpoint directory eval loads (vLLM's speculative_config 'model')."""
+    if not FINAL_POINTER.is_file():
+        raise PipelineError(f"{FINAL_POINTER} not found: run the train stage first")
+    path = Path(json.loads(FINAL_POINTER.read_text())["path"])
+    if not (path / "config.json").is_file():
+        raise PipelineError(f"{FINAL_POINTER} names {path}, which holds no checkpoint; re-run the train stage")
+    return path
