@@ -15,7 +15,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 ALL = {"model", "prepare", "extract", "verify", "train", "eval"}
 TINY = {
-    "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 4, "num_kv_heads": 2,
+    "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
     "data": {"max_samples": 24, "seq_len": 256},
     "extract": {"samples_per_shard": 8},
