@@ -53,6 +53,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + TMP_MARK, dir=final.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it owner-only; outputs are read by other users (container, teammates)
     try:
         yield tmp
         if final.exists():

@@ -1,0 +1,131 @@
+"""A tiny Llama target, trained for a few CPU minutes on the generated corpus, saved as an HF dir.
+
+Training is plain next-token prediction on the chat-templated corpus, with the loss on assistant
+tokens only (what a chat model is tuned on). Batches are windows of the concatenated corpus that
+each start at a conversation's `<|bos|>`, so no compute goes to padding and the first
+conversation of every window has its full context.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+
+from pipeline.embedded.tokenizer import save_tokenizer
+from pipeline.params import EmbeddedModelParams
+
+
+def build_model(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_kv_heads,
+        max_position_embeddings=p.max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(p.seed)
+    return LlamaForCausalLM(config).to(torch.float32)
+
+
+def encode(tok: PreTrainedTokenizerBase, conversations: list[dict]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The corpus as one token stream, its assistant mask, and where each conversation starts."""
+    ids, mask, starts = [], [], []
+    for conv in conversations:
+        out = tok.apply_chat_template(conv["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        starts.append(len(ids))
+        ids += out["input_ids"]
+        mask += out["assistant_masks"]
+    return torch.tensor(ids), torch.tensor(mask, dtype=torch.bool), torch.tensor(starts)
+
+
+def lr_at(step: int, steps: int, lr: float) -> float:
+    warmup = max(1, steps // 20)
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+def training_threads() -> int:
+    """All cores this process may use: a fixed count per machine, so a rebuild is bit-identical.
+
+    (With the cores oversubscribed by other work, each extra intra-op thread waits at barriers
+    for a descheduled peer; measured 3x slower with 2 threads than 1 on a busy 2-core machine.)
+    """
+    return len(os.sched_getaffinity(0))
+
+
+def train(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor,
+          p: EmbeddedModelParams) -> list[float]:
+    torch.set_num_threads(training_threads())
+    T = p.train_seq_len
+    # wrap around so a window may start at any conversation
+    ids, mask = torch.cat([ids, ids[: T + 1]]), torch.cat([mask, mask[: T + 1]])
+    gen = torch.Generator().manual_seed(p.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=p.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    offsets = torch.arange(T + 1)
+    losses = []
+    model.train()
+    bar = tqdm(range(p.train_steps), desc="train target", mininterval=2)
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, p.train_steps, p.lr)
+        rows = starts[torch.randint(len(starts), (p.train_batch_size,), generator=gen)][:, None] + offsets
+        x, y = ids[rows[:, :-1]], ids[rows[:, 1:]]
+        y = y.masked_fill(~mask[rows[:, 1:]], -100)
+        logits = model(input_ids=x).logits
+        # a window may hold no assistant token (tiny train_seq_len): sum / count, never 0 / 0
+        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten(), ignore_index=-100, reduction="sum")
+        loss = loss / (y != -100).sum().clamp(min=1)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(loss.item())
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    return losses
+
+
+def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: list[dict], out: Path) -> dict:
+    """Train the tiny target and save it (weights, config, generation config, tokenizer) into `out`."""
+    t0 = time.time()
+    model = build_model(p, tok)
+    ids, mask, starts = encode(tok, conversations)
+    losses = train(model, ids, mask, starts, p)
+    train_s = time.time() - t0
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
+    model.save_pretrained(out)
+    save_tokenizer(tok, out)
+    # transformers 5 writes `dtype`; older readers (and most hub configs) use `torch_dtype`
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2, sort_keys=True) + "\n")
+    tail = losses[-10:]
+    return {
+        "parameters": sum(t.numel() for t in model.parameters()),
+        "steps": len(losses),
+        "corpus_tokens": len(ids),
+        "corpus_assistant_tokens": int(mask.sum()),
+        "tokens_per_step": p.train_batch_size * p.train_seq_len,
+        "final_loss": sum(tail) / len(tail) if tail else None,
+        "loss_curve": {str(s): round(losses[s], 4) for s in range(0, len(losses), max(1, len(losses) // 20))},
+        "train_seconds": round(train_s, 1),
+        "threads": torch.get_num_threads(),
+    }
