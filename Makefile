@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model prepare extract verify train eval
 
-.PHONY: setup repro test lint clean-venv $(STAGES)
+.PHONY: setup repro test lint clean-venv push pull docker-build docker-shell $(STAGES)
 
 setup: $(STAMP)
 
@@ -38,6 +38,26 @@ test: setup
 
 lint: setup
 	ruff check pipeline tests bench
+	hadolint docker/Dockerfile
+
+# Share DVC's cache through the default remote (.dvc/config; S3 / SSH in README). The run-cache
+# also shares which params gave which outputs, so a teammate's `dvc repro --pull` restores a
+# stage already run with the same inputs instead of running it. pipeline.share = `dvc push
+# --run-cache` + the data of every recorded run, which DVC 3.67 leaves behind (see the module).
+push: setup
+	$(PY) -m pipeline.share push
+
+pull: setup
+	dvc pull --run-cache
+
+# The container of runtime.mode: docker (needs a Docker engine: not on the CPU dev machines).
+# The base image comes from params.yaml (runtime.image); the tag is what the launcher runs.
+docker-build: setup
+	image=$$($(PY) -m pipeline.launcher image) && tag=$$($(PY) -m pipeline.launcher tag) && \
+	docker build -f docker/Dockerfile --build-arg VLLM_IMAGE="$$image" -t "$$tag" .
+
+docker-shell: setup
+	$(PY) -m pipeline.launcher shell
 
 clean-venv:
 	rm -rf $(VENV)

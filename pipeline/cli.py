@@ -9,14 +9,17 @@ from pathlib import Path
 import click
 
 from pipeline.errors import PipelineError
+from pipeline.launcher import launch
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import SECTION, STAGES
 
 
 def _run_stage(stage: str, params_file: Path) -> None:
     try:
-        section = getattr(load_params(params_file), SECTION[stage])
-        importlib.import_module(f"pipeline.stages.{stage}").run(section)
+        params = load_params(params_file)
+        section = getattr(params, SECTION[stage])
+        # here, or in the container per runtime.mode (pipeline/launcher.py)
+        launch(stage, params, params_file, lambda: importlib.import_module(f"pipeline.stages.{stage}").run(section))
     except PipelineError as e:
         click.secho(f"[{stage}] error: {e}", fg="red", err=True)
         sys.exit(1)
@@ -60,3 +63,17 @@ def check_params(params_file: Path) -> None:
         click.secho(str(e), fg="red", err=True)
         sys.exit(1)
     click.echo(f"{params_file}: ok")
+
+
+@main.command("export")
+@click.option("--format", "fmt", required=True, type=click.Choice(["speculators-0.3", "speculators-0.9"]))
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="a new (or empty) directory")
+def export_cmd(fmt: str, out: Path) -> None:
+    """Export artifacts/hidden_states to a speculators training-data layout (pipeline/export.py)."""
+    from pipeline.export import export
+
+    try:
+        export(fmt, out)
+    except PipelineError as e:
+        click.secho(f"[export] error: {e}", fg="red", err=True)
+        sys.exit(1)

@@ -36,14 +36,14 @@ class EmbeddedModelParams(_Section):
     intermediate_size: int = Field(384, ge=16)
     vocab_size: int = Field(1024, ge=300, description="Byte-level BPE vocabulary trained on the shipped corpus.")
     max_position_embeddings: int = Field(2048, ge=64)
-    train_steps: int = Field(400, ge=0, description="Optimizer steps of the brief pre-training on the corpus.")
-    train_batch_size: int = Field(16, ge=1)
+    train_steps: int = Field(600, ge=0, description="Optimizer steps of the brief pre-training on the corpus.")
+    train_batch_size: int = Field(8, ge=1, description="Windows per step; many small steps beat few large ones here.")
     train_seq_len: int = Field(256, ge=16)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
 
     @model_validator(mode="after")
-    def _heads_divide(self) -> "EmbeddedModelParams":
+    def _heads_divide(self) -> EmbeddedModelParams:
         if self.hidden_size % self.num_heads:
             raise ValueError("model.embedded.hidden_size must be a multiple of model.embedded.num_heads")
         if self.num_heads % self.num_kv_heads:
@@ -102,7 +102,7 @@ class ExtractParams(_Section):
         return v
 
     @model_validator(mode="after")
-    def _rank_in_world(self) -> "ExtractParams":
+    def _rank_in_world(self) -> ExtractParams:
         if self.rank >= self.world_size:
             raise ValueError(f"extract.rank ({self.rank}) must be < extract.world_size ({self.world_size})")
         return self
@@ -114,6 +114,7 @@ class VerifyParams(_Section):
     fp32_max_abs_error: float = Field(1e-4, gt=0, description="Allowed max |captured - reference| for fp32 extraction.")
     bf16_error_ratio: float = Field(4.0, gt=0, description="bf16: captured error may be this many times an independent bf16 reference's error.")
     min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match the reference's.")
+    argmax_disagreement_ratio: float = Field(2.0, gt=0, description="bf16/fp16: argmax disagreement with the fp32 reference may be this many times an independent same-dtype reference's.")
     min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
 
 
@@ -126,12 +127,56 @@ class TrainParams(_Section):
     max_len: int = Field(2048, gt=0, description="Tokens packed per training batch.")
     val_fraction: float = Field(0.1, gt=0, lt=1)
     seed: int = 0
+    optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators optimizer; muon = Muon on 2D weights + AdamW on the rest.")
+    hidden_states_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="Training compute dtype; auto = float32 on CPU (bf16 is ~4x slower there), bfloat16 on GPU."
+    )
 
 
 class EvalParams(_Section):
     num_speculative_tokens: int = Field(3, ge=1)
     num_prompts: int = Field(64, ge=1)
     max_tokens: int = Field(64, ge=1)
+    max_acceptance_gap: float = Field(
+        0.15, gt=0, le=1, description="Flag |training full_acc_k - vLLM acceptance at position k| above this in reports/eval.md."
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Serving dtype of target and draft; auto = vLLM's choice (on CPU it downcasts float32 to bfloat16)."
+    )
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
+
+
+# The base image the container builds FROM, pinned by tag and digest (docker/Dockerfile, README).
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.30.0@sha256:8a69ffad015f138d7170c4ddc429e230a3bc1c1719f67e14324749df200a4b90"
+
+
+class RuntimeParams(_Section):
+    """Where the stages run; read only by the launcher (pipeline/launcher.py), never by a stage."""
+
+    mode: Literal["native", "docker"] = Field(
+        "native", description="native = this Python environment; docker = inside the image built from runtime.image (make docker-build)."
+    )
+    image: str = Field(
+        DEFAULT_IMAGE, description="Base vLLM OpenAI image as name:tag@sha256:<digest>; docker/Dockerfile builds FROM it."
+    )
+    gpus: str = Field("all", description="docker run --gpus value: all, 2, or '\"device=0,1\"' (docker wants those quotes); none leaves it out.")
+    shm_size: str | None = Field(None, description="null = --ipc=host (what vLLM and NCCL want); else --shm-size, e.g. '16g'.")
+    model_cache: str | None = Field(
+        None, description="Host Hugging Face cache, mounted at the same path and set as HF_HOME; null = $HF_HOME or ~/.cache/huggingface."
+    )
+    env: list[str] = Field([], description="More host environment variable names to pass into the container.")
+
+    @field_validator("image")
+    @classmethod
+    def _pinned(cls, v: str) -> str:
+        name, _, digest = v.partition("@")
+        if not (digest.startswith("sha256:") and len(digest) == 71 and all(c in "0123456789abcdef" for c in digest[7:])):
+            raise ValueError("runtime.image must be pinned by digest: name:tag@sha256:<64 hex digits>")
+        if ":" not in name.rsplit("/", 1)[-1]:
+            raise ValueError("runtime.image needs a tag before the digest (name:tag@sha256:...), so people can read what it is")
+        return v
 
 
 class Params(_Section):
@@ -141,6 +186,7 @@ class Params(_Section):
     verify: VerifyParams = VerifyParams()
     train: TrainParams = TrainParams()
     eval: EvalParams = EvalParams()
+    runtime: RuntimeParams = RuntimeParams()
 
 
 def _format_error(err: ValidationError, source: Path) -> str:

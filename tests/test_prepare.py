@@ -99,7 +99,7 @@ def test_golden_token_ids_and_mask(tok):
                    23, 355, 226, 24, 21, 294, 226, 25, 23, 19, 2, 4, 970, 6, 2, 5, 337, 323, 724, 6, 2]
     assert mask == [0] * 23 + [1] * 12 + [0] * 5 + [1] * 5
     # exactly the assistant contents, each closed by its end-of-turn token
-    assert tok.decode([t for t, m in zip(ids, mask) if m]) == "12 + 30 = 42.<|end|>You are welcome!<|end|>"
+    assert tok.decode([t for t, m in zip(ids, mask, strict=False) if m]) == "12 + 30 = 42.<|end|>You are welcome!<|end|>"
 
 
 def test_mask_without_generation_tags_matches(tok, shipped):

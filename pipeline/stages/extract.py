@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import shutil
+import signal
 import threading
 import time
 from collections import deque
@@ -48,6 +49,52 @@ POLL_S = 0.002
 
 def log(msg: str) -> None:
     print(f"[extract] {msg}", flush=True)
+
+
+# --- Fault-injection hook, for tests/test_extract_kill.py only; inert unless the variable is set. ---
+# EAGLE3_TEST_KILL_AT=<event>:<n> sends this process SIGKILL at the n-th occurrence of <event>:
+#   engine_started      the engine has loaded, no shard written yet (n = 1)
+#   shard_tmp_written   a shard's data is in its .tmp- file, which is first cut to half its size (a torn write)
+#   shard_data_renamed  a shard's data file is in place, its manifest not yet written
+#   shard_done          a shard's manifest is written (n = the number of shards this run computes: the last one)
+KILL_AT_ENV = "EAGLE3_TEST_KILL_AT"
+_kill_lock = threading.Lock()
+_kill_counts: dict[str, int] = {}
+
+
+def _kill_point(event: str, before=None) -> None:
+    spec = os.environ.get(KILL_AT_ENV)
+    if not spec or spec.rpartition(":")[0] != event:
+        return
+    with _kill_lock:
+        _kill_counts[event] = _kill_counts.get(event, 0) + 1
+        if _kill_counts[event] == int(spec.rpartition(":")[2]):
+            if before is not None:
+                before()
+            log(f"{KILL_AT_ENV}={spec}: SIGKILL")
+            os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)  # never reached
+
+
+def _install_kill_hook() -> None:
+    """Wrap the shard writer's file writes with the two in-write kill points (test runs only)."""
+    if not os.environ.get(KILL_AT_ENV) or getattr(shards, "_kill_hooked", False):
+        return
+    save_file, write_text = shards.save_file, shards.atomic_write_text
+
+    def hooked_save_file(tensors, path, metadata=None):
+        save_file(tensors, path, metadata=metadata)
+        _kill_point("shard_tmp_written", before=lambda: os.truncate(path, os.path.getsize(path) // 2))
+
+    def hooked_write_text(final, text):
+        if Path(final).name.startswith("shard-"):
+            _kill_point("shard_data_renamed")
+        write_text(final, text)
+
+    shards.save_file, shards.atomic_write_text, shards._kill_hooked = hooked_save_file, hooked_write_text, True
+
+
+# --- end of the fault-injection hook ---
 
 
 @dataclass(frozen=True)
@@ -213,6 +260,7 @@ def to_sample(
 
 def run(params: ExtractParams) -> None:
     t0 = time.monotonic()
+    _install_kill_hook()
     target = load_target()
     layer_ids = resolve_layer_ids(params.layer_ids, target.num_layers)
     ds, seq_lens = open_prepared()
@@ -333,6 +381,7 @@ def collect_shard(
         times["read_check"] += time.monotonic() - t1
     t2 = time.monotonic()
     manifest = shards.write_shard(out, index, samples, extra)
+    _kill_point("shard_done")
     times["write_shard"] += time.monotonic() - t2
     return len(samples), sum(len(s.input_ids) for s in samples), manifest["bytes"], times
 
@@ -375,6 +424,7 @@ def extract_shards(
         trust_remote_code=target.trust_remote_code,
     )
     prog.load_seconds = time.monotonic() - t_load
+    _kill_point("engine_started")
     shape = (len(layer_ids), target.hidden_size)
     prog.shard_workers = workers = shard_workers()
     max_tasks = 2 * workers

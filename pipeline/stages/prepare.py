@@ -163,9 +163,11 @@ def heldout_record(sample_id: int, conv: Conversation) -> dict:
 
 
 def run(params: DataParams) -> None:
+    path = Path(params.path)
+    if not path.is_file():  # before loading anything
+        raise DataError(f"data.path: {path} not found; point data.path at a chat JSONL file")
     target = load_target()
     tok = load_tokenizer(target)
-    path = Path(params.path)
     counts = Counter({k: 0 for k in ("conversations_read", "skipped_malformed", "skipped_no_assistant",
                                      "truncated", "skipped_overlong", "capped")})
     convs = read_conversations(path, tok, params.on_error, counts)
@@ -200,7 +202,7 @@ def run(params: DataParams) -> None:
     vocab = target.vocab_size
     freq = [0] * vocab
     for c in samples:
-        for t, m in zip(c.input_ids, c.loss_mask):
+        for t, m in zip(c.input_ids, c.loss_mask, strict=True):
             if t >= vocab:
                 raise DataError(f"{path}:{c.line}: token id {t} >= the target's vocab_size {vocab}; "
                                 "the tokenizer does not match the model's config.json")

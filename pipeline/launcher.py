@@ -1,0 +1,259 @@
+"""The one launcher behind every dvc.yaml cmd (`python -m pipeline run <stage>`).
+
+`runtime.mode: native` runs the stage in this process. `runtime.mode: docker` replaces this
+process with `docker run ... <image> python3 -m pipeline run <stage>`, which runs the very same
+entry point inside the container, natively there (EAGLE3_IN_CONTAINER=1 tells it where it is).
+The working tree is mounted at its own path with `-w` that path, so relative paths, DVC's view of
+the outputs and the absolute model path in target.json mean the same on both sides, and the
+stage code that runs is the working tree's, not the copy installed in the image.
+
+`launch_argv` is a pure function of the params and a `Host` snapshot; tests/test_launcher.py
+asserts its exact output. `launch` is the impure part (reads the host, prepares mounts, execs).
+
+Resumable outputs: a DVC stage with a `persist: true` output is never saved to the run-cache, and
+the run-cache is what lets a teammate's `dvc repro --pull` restore an extraction someone already
+ran. So extract's output is not persisted by DVC (which deletes it before running the stage);
+instead the launcher keeps the stage's work in `artifacts/.partial/<name>`, symlinked into place
+while the stage runs and renamed into place when the stage succeeds. A killed run (even kill -9)
+leaves the work there and the link, which the next run reuses: the stage then keeps its complete
+shards of the same run key and computes the rest, exactly as with a persisted directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pipeline import layout
+from pipeline.errors import PipelineError
+from pipeline.params import Params, RuntimeParams
+
+IN_CONTAINER = "EAGLE3_IN_CONTAINER"
+IMAGE_REPO = "eagle3-pipeline"
+# what the image is built from beside the base image: a change to any of them gives a new tag,
+# so a stale image is never run (`docker run --pull=never` fails and says to rebuild)
+RECIPE_FILES = ("docker/Dockerfile", "requirements/container.txt", "requirements/no-deps.txt", "pyproject.toml")
+# host environment passed into the container by name (docker takes the value from its own env)
+PASS_ENV = (
+    "CUDA_VISIBLE_DEVICES",
+    "HF_HUB_OFFLINE",
+    "HF_TOKEN",
+    "OMP_NUM_THREADS",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TOKENIZERS_PARALLELISM",
+    "TRANSFORMERS_OFFLINE",
+)
+PASS_ENV_PREFIXES = ("VLLM_", "NCCL_")
+# stage -> outputs a killed run resumes from (see the module docstring)
+RESUMABLE: dict[str, tuple[Path, ...]] = {"extract": (layout.HIDDEN_STATES_DIR,)}
+PARTIAL_DIR = layout.ARTIFACTS / ".partial"
+
+
+@dataclass(frozen=True)
+class Host:
+    """Everything about the calling machine that the docker command line depends on."""
+
+    repo: Path  # absolute; the stage's working directory (DVC runs each cmd in the repo root)
+    uid: int
+    gid: int
+    home: Path
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def current(cls) -> Host:
+        return cls(Path.cwd().absolute(), os.getuid(), os.getgid(), Path.home(), dict(os.environ))
+
+
+def in_container(host: Host) -> bool:
+    return host.environ.get(IN_CONTAINER) == "1"
+
+
+def image_tag(base_image: str, recipe: str) -> str:
+    """Local tag of the image built FROM `base_image`: eagle3-pipeline:<base tag>-<digest12>-<recipe>."""
+    name, _, digest = base_image.partition("@")
+    tag = name.rsplit("/", 1)[-1].rpartition(":")[2]
+    return f"{IMAGE_REPO}:{tag}-{digest.removeprefix('sha256:')[:12]}-{recipe}"
+
+
+def recipe_digest(root: Path) -> str:
+    """8 hex digits of SHA-256 over the files the image is built from (RECIPE_FILES)."""
+    h = hashlib.sha256()
+    for rel in RECIPE_FILES:
+        h.update(rel.encode() + b"\0")
+        p = root / rel
+        h.update(p.read_bytes() if p.is_file() else b"(missing)")
+        h.update(b"\0")
+    return h.hexdigest()[:8]
+
+
+def model_cache(runtime: RuntimeParams, host: Host) -> Path:
+    """The host's Hugging Face cache, mounted at the same path and exported as HF_HOME."""
+    if runtime.model_cache:
+        p = Path(runtime.model_cache)
+        p = host.home / p.relative_to("~") if p.parts[:1] == ("~",) else p
+    elif host.environ.get("HF_HOME"):
+        p = Path(host.environ["HF_HOME"])
+    else:
+        p = host.home / ".cache" / "huggingface"
+    return p if p.is_absolute() else host.repo / p
+
+
+def passed_env(runtime: RuntimeParams, environ: Mapping[str, str]) -> list[str]:
+    """Names of host variables passed through, sorted; HF_HOME and IN_CONTAINER are set explicitly."""
+    wanted = set(PASS_ENV) | set(runtime.env)
+    names = {n for n in environ if n in wanted or n.startswith(PASS_ENV_PREFIXES)}
+    return sorted(names - {"HF_HOME", IN_CONTAINER})
+
+
+def stage_command(stage: str, params_file: Path | str) -> list[str]:
+    """What runs inside the container: the same entry point as every dvc.yaml cmd."""
+    return ["python3", "-m", "pipeline", "--params", str(params_file), "run", stage]
+
+
+def docker_argv(
+    command: Sequence[str],
+    *,
+    runtime: RuntimeParams,
+    image: str,
+    host: Host,
+    mounts: Sequence[Path] = (),
+    interactive: bool = False,
+) -> list[str]:
+    """`docker run` for `command` in `image`; `mounts` (host paths outside the repo) go in read-only."""
+    repo, cache = str(host.repo), str(model_cache(runtime, host))
+    argv = ["docker", "run", "--rm", "--init", "--pull=never"]
+    if runtime.gpus != "none":
+        argv += ["--gpus", runtime.gpus]
+    argv += [f"--shm-size={runtime.shm_size}"] if runtime.shm_size else ["--ipc=host"]
+    argv += ["-u", f"{host.uid}:{host.gid}", "-v", f"{repo}:{repo}", "-w", repo, "-v", f"{cache}:{cache}"]
+    for m in mounts:
+        argv += ["-v", f"{m}:{m}:ro"]
+    argv += ["-e", f"HF_HOME={cache}", "-e", "PYTHONUNBUFFERED=1", "-e", f"{IN_CONTAINER}=1"]
+    for name in passed_env(runtime, host.environ):
+        argv += ["-e", name]
+    if interactive:
+        argv += ["-it"]
+    return [*argv, image, *command]
+
+
+def _outside(path: Path, repo: Path) -> bool:
+    return not path.is_relative_to(repo)
+
+
+def input_mounts(params: Params, params_file: Path | str, host: Host, is_dir=os.path.isdir, is_file=os.path.isfile) -> list[Path]:
+    """Inputs that live outside the repo and so must be mounted: a real model.path directory,
+    data.path and the params file. Paths are made absolute against the repo; the checks are
+    injectable so tests need no real files."""
+    found: list[Path] = []
+    candidates = [] if params.model.is_embedded else [(Path(params.model.path), is_dir)]
+    candidates += [(Path(params.data.path), is_file), (Path(params_file), is_file)]
+    for path, check in candidates:
+        p = Path(os.path.normpath(host.repo / path.expanduser()))
+        if _outside(p, host.repo) and check(str(p)) and p not in found:
+            found.append(p)
+    return found
+
+
+def launch_argv(
+    stage: str, params: Params, params_file: Path | str, host: Host, image: str, mounts: Sequence[Path] = ()
+) -> list[str] | None:
+    """The command that runs `stage`, or None when it runs here, in this process (native mode, or
+    already inside the container)."""
+    if params.runtime.mode == "native" or in_container(host):
+        return None
+    return docker_argv(stage_command(stage, params_file), runtime=params.runtime, image=image, host=host, mounts=mounts)
+
+
+def built_image(params: Params, root: Path) -> str:
+    return image_tag(params.runtime.image, recipe_digest(root))
+
+
+def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
+    """Run `stage`: `run_native()` here, or exec docker (this process is replaced by it)."""
+    host = Host.current()
+    docker = params.runtime.mode == "docker" and not in_container(host)
+    mounts = input_mounts(params, params_file, host) if docker else []
+    image = built_image(params, host.repo) if docker else ""
+    argv = launch_argv(stage, params, params_file, host, image, mounts)
+    if argv is None:
+        with resumable_outputs(RESUMABLE.get(stage, ())):
+            run_native()
+        return
+    model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)  # else docker creates it as root
+    print(f"[{stage}] {' '.join(argv)}", file=sys.stderr, flush=True)
+    try:
+        os.execvp(argv[0], argv)
+    except FileNotFoundError:
+        raise PipelineError(
+            f"runtime.mode is docker but `{argv[0]}` is not installed here; set runtime.mode: native or install Docker"
+        ) from None
+
+
+def partial_path(out: Path) -> Path:
+    return PARTIAL_DIR / out.relative_to(layout.ARTIFACTS)
+
+
+@contextlib.contextmanager
+def resumable_outputs(outs: Sequence[Path]) -> Iterator[None]:
+    """Run the body with each of `outs` a link to its work directory; on success rename the work
+    into place. On failure the links stay: the next run (DVC leaves links alone) resumes."""
+    for out in outs:
+        work = partial_path(out)
+        if out.is_symlink():  # left by a killed or failed run
+            if os.path.normpath(out.parent / os.readlink(out)) != os.path.normpath(work):
+                raise PipelineError(f"{out} is a symlink to {os.readlink(out)}; DVC outputs must be real "
+                                    f"directories: remove the link (or move what it points to) and re-run")
+            out.unlink()
+        elif out.exists():  # a complete output (a direct run after an earlier one): resume from it
+            if work.exists():
+                shutil.rmtree(work)
+            work.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(out, work)
+        work.mkdir(parents=True, exist_ok=True)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.symlink(os.path.relpath(work, out.parent), out, target_is_directory=True)
+    yield
+    for out in outs:
+        out.unlink()
+        os.replace(partial_path(out), out)
+    if PARTIAL_DIR.is_dir() and not any(PARTIAL_DIR.rglob("*")):
+        shutil.rmtree(PARTIAL_DIR)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m pipeline.launcher image|tag|shell` for the Makefile's docker targets."""
+    import argparse
+    import shlex
+
+    from pipeline.params import load_params
+
+    ap = argparse.ArgumentParser(prog="python -m pipeline.launcher")
+    ap.add_argument("what", choices=["image", "tag", "shell"], help="base image | built image tag | docker-shell argv")
+    ap.add_argument("--params", default="params.yaml")
+    ap.add_argument("--print-only", action="store_true", help="shell: print the docker command, do not run it")
+    args = ap.parse_args(argv)
+    params = load_params(args.params)
+    host = Host.current()
+    if args.what == "image":
+        print(params.runtime.image)
+    elif args.what == "tag":
+        print(built_image(params, host.repo))
+    else:  # an interactive shell in the stages' container, as they get it
+        mounts = input_mounts(params, args.params, host)
+        argv = docker_argv(["bash"], runtime=params.runtime, image=built_image(params, host.repo), host=host,
+                           mounts=mounts, interactive=True)
+        print(shlex.join(argv), file=sys.stderr, flush=True)
+        if not args.print_only:
+            model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)
+            os.execvp(argv[0], argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
