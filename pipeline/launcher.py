@@ -17,14 +17,20 @@ instead the launcher keeps the stage's work in `artifacts/.partial/<name>`, syml
 while the stage runs and renamed into place when the stage succeeds. A killed run (even kill -9)
 leaves the work there and the link, which the next run reuses: the stage then keeps its complete
 shards of the same run key and computes the rest, exactly as with a persisted directory.
+
+Concurrent runs: before touching a resumable output the launcher takes an exclusive flock on
+`<output>.lock` beside it (`output_locks`); a second run of the stage on the same output is refused
+with a PipelineError naming the lock and its holder (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import os
 import shutil
+import socket
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -182,7 +188,7 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
     image = built_image(params, host.repo) if docker else ""
     argv = launch_argv(stage, params, params_file, host, image, mounts)
     if argv is None:
-        with resumable_outputs(RESUMABLE.get(stage, ())):
+        with output_locks(stage, RESUMABLE.get(stage, ())), resumable_outputs(RESUMABLE.get(stage, ())):
             run_native()
         return
     model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)  # else docker creates it as root
@@ -193,6 +199,44 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
         raise PipelineError(
             f"runtime.mode is docker but `{argv[0]}` is not installed here; set runtime.mode: native or install Docker"
         ) from None
+
+
+def lock_path(out: Path) -> Path:
+    """The lock file of output `out`: beside it, outside the DVC output (artifacts/hidden_states.lock)."""
+    return out.parent / f"{out.name}.lock"
+
+
+@contextlib.contextmanager
+def output_locks(stage: str, outs: Sequence[Path]) -> Iterator[None]:
+    """Hold an exclusive flock on each output's lock file for the stage's run, or refuse at once.
+
+    Taken before anything in the output is touched, so a second concurrent run of the stage on
+    the same output fails with a clear message instead of interleaving. The kernel drops the lock
+    when the holder exits, even on kill -9: a lock file left on disk is never stale.
+    """
+    fds: list[int] = []
+    try:
+        for out in outs:
+            lock = lock_path(out)
+            lock.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise PipelineError(
+                    f"another {stage} run is writing {out}: it holds the lock {lock} (holder: {holder}). "
+                    f"Wait for it to finish (or stop that process) and re-run; two runs on one output would "
+                    f"interleave. The lock frees itself when the holder exits, even if it is killed."
+                ) from None
+            fds.append(fd)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)  # releases the flock
 
 
 def partial_path(out: Path) -> Path:

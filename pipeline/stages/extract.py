@@ -14,6 +14,7 @@ the time between them (`time_s`).
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -258,7 +259,45 @@ def to_sample(
     return shards.Sample(sid, ids, torch.tensor(loss_mask, dtype=torch.uint8), hs)
 
 
+# errno / message text of a write that failed for lack of space (safetensors' Rust writer raises
+# its own error type, which carries the OS error only in its text)
+_NO_SPACE_ERRNOS = {errno.ENOSPC: "disk full", errno.EFBIG: "file size limit", errno.EDQUOT: "disk quota exceeded"}
+_NO_SPACE_TEXT = {"No space left on device": "disk full", "StorageFull": "disk full", "File too large": "file size limit",
+                  "FileTooLarge": "file size limit", "Disk quota exceeded": "disk quota exceeded"}
+
+
+def no_space_reason(e: BaseException) -> str | None:
+    """'disk full' / 'file size limit' / 'disk quota exceeded' if `e` (or its cause) is one, else None."""
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, OSError) and e.errno in _NO_SPACE_ERRNOS:
+            return _NO_SPACE_ERRNOS[e.errno]
+        for text, reason in _NO_SPACE_TEXT.items():
+            if text in str(e):
+                return reason
+        e = e.__cause__ or e.__context__
+    return None
+
+
 def run(params: ExtractParams) -> None:
+    """The stage; a write that fails for lack of space becomes a PipelineError naming the output."""
+    try:
+        _run(params)
+    except PipelineError:
+        raise
+    except Exception as e:
+        reason = no_space_reason(e)
+        if reason is None:
+            raise
+        raise PipelineError(
+            f"writing to {HIDDEN_STATES_DIR} ({HIDDEN_STATES_DIR.resolve()}) failed: {reason} "
+            f"({type(e).__name__}: {e}). The disk is full or a file size limit was hit: free space there "
+            "(or raise the limit) and re-run extract; the complete shards are kept and only the rest is computed"
+        ) from e
+
+
+def _run(params: ExtractParams) -> None:
     t0 = time.monotonic()
     _install_kill_hook()
     target = load_target()
