@@ -48,14 +48,15 @@ def project(tmp_path_factory):
     return root
 
 
-def reproduce(root: Path) -> set[str]:
+def reproduce(root: Path, **kwargs) -> set[str]:
+    """The stages `dvc repro` (with `kwargs`) actually ran in project `root`."""
     from dvc.repo import Repo
 
     cwd = os.getcwd()
     os.chdir(root)
     try:
         with Repo(str(root)) as repo:
-            return {stage.addressing for stage in repo.reproduce()}
+            return {stage.addressing for stage in repo.reproduce(**kwargs)}
     finally:
         os.chdir(cwd)
 

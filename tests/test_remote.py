@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_dvc_invalidation import ALL, TINY, merge
+from tests.test_dvc_invalidation import ALL, TINY, merge, reproduce, set_param
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -127,25 +127,6 @@ def share_push(root: Path) -> None:
     proc = subprocess.run([sys.executable, "-m", "pipeline.share", "push"], cwd=root, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stdout + proc.stderr
-
-
-def reproduce(root: Path, **kwargs) -> set[str]:
-    from dvc.repo import Repo
-
-    cwd = os.getcwd()
-    os.chdir(root)
-    try:
-        with Repo(str(root)) as repo:
-            return {stage.addressing for stage in repo.reproduce(**kwargs)}
-    finally:
-        os.chdir(cwd)
-
-
-def set_param(root: Path, section: str, key: str, value) -> None:
-    path = root / "params.yaml"
-    params = yaml.safe_load(path.read_text())
-    params[section][key] = value
-    path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
 def credentials(root: Path) -> None:
