@@ -24,5 +24,8 @@ HIDDEN_STATES_DIR = ARTIFACTS / "hidden_states"
 # that does not change the verdict does not retrain), plus metrics and a human report
 VERIFY_VERDICT = ARTIFACTS / "verify" / "verdict.json"
 
-# train stage: speculators checkpoints (<epoch>/ dirs); the final draft vLLM loads
+# train stage: speculators checkpoints (<epoch>/ dirs); final.json points at the draft vLLM loads
 DRAFT_DIR = ARTIFACTS / "draft"
+FINAL_POINTER = DRAFT_DIR / "final.json"
+TRAIN_METRICS = METRICS / "train.json"
+TRAIN_CURVE = METRICS / "train_curve.csv"

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from pipeline import layout, shards, speculators_cpu
+from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
 from pipeline.stages import train
 from tests.conftest import copy_project, run_stage
@@ -69,7 +70,7 @@ def test_train_writes_per_step_metrics_and_a_loadable_checkpoint(trained: Path) 
     assert [int(r["epoch"]) for r in rows] == [0, 1] and "val_full_acc_1" in rows[0]
 
     with contextlib.chdir(trained):
-        final = train.final_draft()
+        final = final_draft()
     assert final == layout.DRAFT_DIR / "1"
     from speculators.models.eagle3 import Eagle3DraftModel
 

@@ -18,10 +18,10 @@ import time
 from pathlib import Path
 
 from pipeline.atomic import atomic_write_text
+from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
-from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS
+from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS, TRAIN_METRICS
 from pipeline.params import EvalParams
-from pipeline.stages.train import TRAIN_METRICS, final_draft
 from pipeline.target import Target, load_target
 
 EVAL_METRICS = METRICS / "eval.json"

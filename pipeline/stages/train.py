@@ -33,14 +33,19 @@ from speculators.train.vocab_mapping import build_vocab_mappings_from_distributi
 from pipeline import shards, speculators_cpu
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
-from pipeline.layout import DRAFT_DIR, HIDDEN_STATES_DIR, METRICS, TOKEN_FREQ, VERIFY_VERDICT
+from pipeline.layout import (
+    DRAFT_DIR,
+    FINAL_POINTER,
+    HIDDEN_STATES_DIR,
+    TOKEN_FREQ,
+    TRAIN_CURVE,
+    TRAIN_METRICS,
+    VERIFY_VERDICT,
+)
 from pipeline.params import TrainParams
 from pipeline.target import Target, load_target, sha256_file, sha256_json
 from pipeline.train_data import ShardDataset, index_shards, split_refs
 
-TRAIN_METRICS = METRICS / "train.json"
-TRAIN_CURVE = METRICS / "train_curve.csv"
-FINAL_POINTER = DRAFT_DIR / "final.json"
 RUN_KEY = DRAFT_DIR / "run_key.json"
 EPOCH_METRICS = "epoch_metrics.json"  # written into each <epoch>/ dir; with training_state.json marks it complete
 log = logging.getLogger("pipeline.train")
@@ -295,13 +300,3 @@ def run(params: TrainParams) -> None:
     final = DRAFT_DIR / str(done[-1])
     atomic_write_text(FINAL_POINTER, json.dumps({"epoch": done[-1], "path": str(final)}, indent=1) + "\n")
     log.info("train: final draft %s", final)
-
-
-def final_draft() -> Path:
-    """The checkpoint directory eval loads (vLLM's speculative_config 'model')."""
-    if not FINAL_POINTER.is_file():
-        raise PipelineError(f"{FINAL_POINTER} not found: run the train stage first")
-    path = Path(json.loads(FINAL_POINTER.read_text())["path"])
-    if not (path / "config.json").is_file():
-        raise PipelineError(f"{FINAL_POINTER} names {path}, which holds no checkpoint; re-run the train stage")
-    return path
