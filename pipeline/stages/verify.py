@@ -31,8 +31,9 @@ from pipeline.errors import PipelineError
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, REPORTS, VERIFY_VERDICT
 from pipeline.params import VerifyParams
 from pipeline.reference import DTYPES, ReferenceModel
-from pipeline.shards import FORMAT_NAME, manifest_path, read_manifest, read_meta
-from pipeline.target import load_target, sha256_file
+from pipeline.shards import read_meta
+from pipeline.target import load_target
+from pipeline.verify_scan import Finding, ScanContext, default_workers, scan_shards
 
 REPORT_DIR = REPORTS / "verify"
 LAYER_CSV = METRICS / "verify_layers.csv"
@@ -43,20 +44,6 @@ BF16_REL_FLOOR = 2.0**-8  # bf16 rounding alone gives about this relative error
 
 class VerifyFailed(PipelineError):
     pass
-
-
-@dataclass
-class Finding:
-    check: str
-    message: str
-    shard: str | None = None
-    sample: int | None = None
-    layer: int | None = None
-    severity: str = "fail"  # fail | warn
-
-    def where(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
-        return ", ".join(parts)
 
 
 @dataclass
@@ -93,7 +80,8 @@ def run(params: VerifyParams) -> None:
     layer_ids: list[int] = list(meta["layer_ids"])
     reference = ReferenceModel.load(target.path, "float32", target.trust_remote_code)
 
-    sample_to_shard = check_structure_and_values(report, meta, prepared, reference, target.hidden_size)
+    workers = params.workers or default_workers()
+    sample_to_shard = check_structure_and_values(report, meta, prepared, reference, target.hidden_size, workers)
     check_reference(report, params, meta, layer_ids, reference, target, sample_to_shard)
     check_final_state_rates(report, params)
     report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
@@ -119,105 +107,44 @@ def run(params: VerifyParams) -> None:
 # ---------------------------------------------------------------- structure, values, final state
 
 
-def check_structure_and_values(report: Report, meta: dict, prepared, reference: ReferenceModel, hidden_size: int) -> dict[int, Path]:
+def check_structure_and_values(report: Report, meta: dict, prepared, reference: ReferenceModel, hidden_size: int, workers: int) -> dict[int, Path]:
     layer_ids = meta["layer_ids"]
-    num_layers = len(layer_ids)
     dtype = DTYPES[meta["dtype"]]
     itemsize = torch.tensor([], dtype=dtype).element_size()
-    expected_ids = set(range(len(prepared)))
-    seen: dict[int, Path] = {}
-    total_bytes = total_tokens = 0
-    correct = counted = 0
-    per_shard_acc: dict[str, float] = {}
-
     files = sorted(HIDDEN_STATES_DIR.glob("shard-*.safetensors"))
     orphans = [p for p in HIDDEN_STATES_DIR.glob("shard-*.json") if not p.with_suffix(".safetensors").is_file()]
     for p in orphans:
         report.fail("structure", "manifest without its shard file", shard=p.stem)
     if not files:
         report.fail("structure", f"no shards in {HIDDEN_STATES_DIR}")
-    for path in tqdm(files, desc="verify shards", unit="shard"):
-        name = path.stem
-        if not manifest_path(path).is_file():
-            report.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume", shard=name)
-            continue
-        manifest = read_manifest(path)
-        if manifest.get("format") != FORMAT_NAME:
-            report.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}", shard=name)
-            continue
-        if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(layer_ids):
-            report.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {layer_ids}", shard=name)
-        size = path.stat().st_size
-        if size != manifest["bytes"] or sha256_file(path) != manifest["sha256"]:
-            report.fail("structure", f"file content does not match its manifest sha256/size ({size} vs {manifest['bytes']} bytes): corrupt or truncated", shard=name)
-            continue
-        sample_ids = manifest["sample_ids"]
-        expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
-        try:
-            handle = safe_open(str(path), framework="pt", device="cpu")
-        except Exception as e:  # safetensors raises its own error types for a bad header
-            report.fail("structure", f"unreadable safetensors file: {e}", shard=name)
-            continue
-        with handle as f:
-            keys = set(f.keys())
-            if keys != expected_keys:
-                extra, missing = sorted(keys - expected_keys), sorted(expected_keys - keys)
-                report.fail(
-                    "structure",
-                    f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
-                    f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
-                    shard=name,
-                )
-                continue
-            sums = torch.zeros(num_layers, 4, dtype=torch.float64)  # sum, sum sq, abs max, count
-            shard_correct = shard_counted = 0
-            for sid in sample_ids:
-                if sid in seen:
-                    report.fail("structure", f"duplicate sample id, also in {seen[sid].stem}", shard=name, sample=sid)
-                    continue
-                seen[sid] = path
-                if sid not in expected_ids:
-                    report.fail("structure", f"sample id not in the prepared dataset (0..{len(prepared) - 1})", shard=name, sample=sid)
-                    continue
-                hs = f.get_tensor(f"{sid}/hidden_states")
-                ids = f.get_tensor(f"{sid}/input_ids")
-                mask = f.get_tensor(f"{sid}/loss_mask")
-                row = prepared[sid]
-                if not check_sample_structure(report, name, sid, hs, ids, mask, row, num_layers, hidden_size, dtype):
-                    continue
-                check_sample_values(report, name, sid, hs, layer_ids)
-                hsf = hs.float()
-                sums[:, 0] += hsf.sum(dim=(0, 2)).double()
-                sums[:, 1] += hsf.pow(2).sum(dim=(0, 2)).double()
-                sums[:, 2] = torch.maximum(sums[:, 2], hsf.abs().amax(dim=(0, 2)).double())
-                sums[:, 3] += hsf.shape[0] * hsf.shape[2]
-                c, n = next_token_hits(reference, hs[:, -1], ids, mask)
-                shard_correct += c
-                shard_counted += n
-                total_tokens += ids.numel()
-        total_bytes += size
-        correct += shard_correct
-        counted += shard_counted
-        per_shard_acc[name] = shard_correct / shard_counted if shard_counted else float("nan")
-        count = sums[:, 3].clamp_min(1)
-        mean = sums[:, 0] / count
-        rms = (sums[:, 1] / count).sqrt()
-        report.shard_stats[name] = {
-            str(lid): {
-                "mean": mean[i].item(),
-                "std": (rms[i] ** 2 - mean[i] ** 2).clamp_min(0).sqrt().item(),
-                "abs_max": sums[i, 2].item(),
-                "rms": rms[i].item(),
-            }
-            for i, lid in enumerate(layer_ids)
-        }
+    context = ScanContext(layer_ids, hidden_size, dtype, prepared.with_format("torch", columns=["input_ids", "loss_mask"]), reference)
+    scans = scan_shards(files, context, workers)
 
-    missing = sorted(expected_ids - set(seen))
+    seen: dict[int, Path] = {}
+    total_bytes = total_tokens = correct = counted = 0
+    per_shard_acc: dict[str, float] = {}
+    for scan in scans:  # in shard order, so "duplicate" names the later shard
+        report.findings.extend(scan.findings)
+        for sid in scan.sample_ids:
+            if sid in seen:
+                report.fail("structure", f"duplicate sample id, also in {seen[sid].stem}", shard=scan.name, sample=sid)
+            else:
+                seen[sid] = scan.path
+        if not scan.read_ok:
+            continue
+        total_bytes += scan.bytes
+        total_tokens += scan.tokens
+        correct += scan.hits
+        counted += scan.counted
+        per_shard_acc[scan.name] = scan.hits / scan.counted if scan.counted else float("nan")
+        report.shard_stats[scan.name] = scan.stats
+
+    missing = sorted(set(range(len(prepared))) - set(seen))
     if missing:
         report.fail("structure", f"{len(missing)} sample(s) of the prepared dataset have no hidden states: {missing[:10]}")
     check_outlier_shards(report, layer_ids)
 
-    min_bytes = num_layers * hidden_size * itemsize + 8 + 1  # hidden states + int64 id + uint8 mask
+    min_bytes = len(layer_ids) * hidden_size * itemsize + 8 + 1  # hidden states + int64 id + uint8 mask
     bytes_per_token = total_bytes / max(total_tokens, 1)
     report.summary.update(
         num_shards=len(files),
@@ -230,43 +157,11 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
         final_state_next_token_acc=(correct / counted) if counted else None,
         final_state_positions=counted,
         per_shard_next_token_acc=per_shard_acc,
+        verify_workers=workers,
     )
     if total_tokens and bytes_per_token > STORAGE_OVERHEAD_WARN * min_bytes:
         report.warn("storage", f"{bytes_per_token:.0f} bytes/token is over {STORAGE_OVERHEAD_WARN}x the minimum {min_bytes}")
     return seen
-
-
-def check_sample_structure(report, shard, sid, hs, ids, mask, row, num_layers, hidden_size, dtype) -> bool:
-    ok = True
-    T = len(row["input_ids"])
-    if hs.dim() != 3 or tuple(hs.shape) != (T, num_layers, hidden_size):
-        report.fail("structure", f"hidden_states shape {list(hs.shape)}, expected [T={T}, L={num_layers}, H={hidden_size}]", shard=shard, sample=sid)
-        return False
-    if hs.dtype != dtype:
-        report.fail("structure", f"hidden_states dtype {hs.dtype}, the run declares {dtype}", shard=shard, sample=sid)
-        ok = False
-    if ids.tolist() != list(row["input_ids"]):
-        report.fail("structure", "input_ids differ from the prepared dataset's", shard=shard, sample=sid)
-        ok = False
-    if mask.tolist() != list(row["loss_mask"]):
-        report.fail("structure", "loss_mask differs from the prepared dataset's", shard=shard, sample=sid)
-        ok = False
-    return ok
-
-
-def check_sample_values(report: Report, shard: str, sid: int, hs: torch.Tensor, layer_ids: list[int]) -> None:
-    finite = torch.isfinite(hs)
-    for i, lid in enumerate(layer_ids):
-        layer = hs[:, i]
-        bad = (~finite[:, i]).sum().item()
-        if bad:
-            kinds = [k for k, n in (("NaN", torch.isnan(layer).sum().item()), ("Inf", torch.isinf(layer).sum().item())) if n]
-            report.fail("values", f"{bad} non-finite values ({'/'.join(kinds)})", shard=shard, sample=sid, layer=lid)
-            continue
-        if not layer.any():
-            report.fail("values", "layer is all zeros", shard=shard, sample=sid, layer=lid)
-        elif layer.numel() > 1 and (layer == layer.reshape(-1)[0]).all():
-            report.fail("values", f"layer is constant ({layer.reshape(-1)[0].item():g})", shard=shard, sample=sid, layer=lid)
 
 
 def check_outlier_shards(report: Report, layer_ids: list[int]) -> None:
@@ -278,15 +173,6 @@ def check_outlier_shards(report: Report, layer_ids: list[int]) -> None:
         for name, value in rms.items():
             if median > 0 and not (median / OUTLIER_FACTOR <= value <= median * OUTLIER_FACTOR):
                 report.fail("values", f"RMS {value:.4g} is over {OUTLIER_FACTOR}x off the median {median:.4g} of all shards", shard=name, layer=int(lid))
-
-
-def next_token_hits(reference: ReferenceModel, final_state: torch.Tensor, ids: torch.Tensor, mask: torch.Tensor) -> tuple[int, int]:
-    """How often argmax(lm_head(norm(h_N))) at a masked position equals the next token."""
-    positions = mask[:-1].bool().nonzero().squeeze(-1)
-    if positions.numel() == 0:
-        return 0, 0
-    pred = reference.final_logits(final_state[positions]).argmax(-1).cpu()
-    return int((pred == ids[positions + 1]).sum()), int(positions.numel())
 
 
 def check_final_state_rates(report: Report, params: VerifyParams) -> None:
