@@ -57,7 +57,7 @@ PASS_ENV = (
 )
 PASS_ENV_PREFIXES = ("VLLM_", "NCCL_")
 # stage -> outputs a killed run resumes from (see the module docstring)
-RESUMABLE: dict[str, tuple[Path, ...]] = {"extract": (layout.HIDDEN_STATES_DIR,)}
+RESUMABLE: dict[str, tuple[Path, ...]] = {"extract": (layout.HIDDEN_STATES_DIR,), "regenerate": (layout.REGENERATED_DIR,)}
 PARTIAL_DIR = layout.ARTIFACTS / ".partial"
 
 

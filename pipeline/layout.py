@@ -10,6 +10,13 @@ REPORTS = Path("reports")
 MODEL_DIR = ARTIFACTS / "model"
 TARGET_JSON = MODEL_DIR / "target.json"
 
+# regenerate stage (before prepare): the chat data with every assistant turn rewritten by the
+# target (conversations.jsonl, OpenAI messages + source_line) and regenerate.json (provenance);
+# with data.regenerate.enabled false only regenerate.json ({"enabled": false})
+REGENERATED_DIR = ARTIFACTS / "regenerated"
+REGENERATED_CONVERSATIONS = REGENERATED_DIR / "conversations.jsonl"
+REGENERATED_META = REGENERATED_DIR / "regenerate.json"
+
 # prepare stage: HF `datasets` Arrow dataset (sample_id, input_ids, loss_mask, seq_len),
 # held-out eval prompts, token frequencies of the loss-masked tokens
 PREPARED_DIR = ARTIFACTS / "prepared"

@@ -61,6 +61,22 @@ class ModelParams(_Section):
         return self.path == EMBEDDED
 
 
+class RegenerateParams(_Section):
+    """On-policy data: the target rewrites every assistant turn before prepare (the regenerate stage)."""
+
+    enabled: bool = Field(False, description="Replace each assistant turn with the target's own response, as EAGLE-3 trains on.")
+    max_tokens: int = Field(256, gt=0, description="Tokens generated per assistant turn at most (the turn ends at the target's end-of-turn token otherwise).")
+    temperature: float = Field(0.0, ge=0, description="0 = greedy, the target's most likely response (what greedy serving will see).")
+    top_p: float = Field(1.0, gt=0, le=1)
+    seed: int = Field(0, description="Per-request sampling seed base (temperature > 0): the same params give the same data.")
+    conversations_per_chunk: int = Field(256, gt=0, description="Conversations between checkpoints; a killed run resumes after the last complete chunk.")
+    max_num_seqs: int = Field(64, gt=0)
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    tensor_parallel_size: int = Field(1, ge=1)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    cpu_kvcache_gib: int = Field(1, ge=1)
+
+
 class DataParams(_Section):
     path: str = Field("data/chat.jsonl", description="Chat JSONL: OpenAI 'messages' or ShareGPT 'conversations'.")
     seq_len: int = Field(512, gt=0, description="Tokens per sample after the chat template; longer ones are handled per on_overlong.")
@@ -69,6 +85,7 @@ class DataParams(_Section):
     on_error: Literal["fail", "skip"] = "fail"
     on_overlong: Literal["truncate", "skip"] = "truncate"
     seed: int = 0
+    regenerate: RegenerateParams = RegenerateParams()
 
 
 class ExtractParams(_Section):

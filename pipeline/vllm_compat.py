@@ -154,6 +154,38 @@ def engine_kwargs(
     return kwargs
 
 
+def generation_kwargs(
+    *,
+    model: Path,
+    dtype: str,
+    max_model_len: int,
+    max_num_seqs: int,
+    tensor_parallel_size: int = 1,
+    gpu_memory_utilization: float = 0.9,
+    trust_remote_code: bool = False,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """A plain generation engine of the target (token ids in and out), e.g. to regenerate data."""
+    kwargs: dict[str, Any] = {
+        "model": str(model),
+        "skip_tokenizer_init": True,
+        "trust_remote_code": trust_remote_code,
+        "dtype": dtype,
+        "max_model_len": max_model_len,
+        "max_num_seqs": max_num_seqs,
+        "tensor_parallel_size": tensor_parallel_size,
+        "seed": seed,
+    }
+    if on_cuda():
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+    else:
+        kwargs["enforce_eager"] = True
+        if "kv_lora_rank" in model_config(model):  # MLA: see engine_kwargs
+            kwargs["max_num_batched_tokens"] = max(2048, max_model_len)
+            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    return kwargs
+
+
 class HiddenStatesEngine:
     """One vLLM engine that captures hidden states for batches of token-id prompts."""
 

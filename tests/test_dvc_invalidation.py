@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = {"model", "prepare", "extract", "verify", "train", "eval"}
+ALL = {"model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
 TINY = {
     "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
@@ -75,8 +75,9 @@ def test_invalidation_contract(project):
     set_param(project, "extract", "layer_ids", [1, 4, 6, 8])
     assert reproduce(project) == {"extract", "verify", "train", "eval"}
 
+    # regenerate reads data.seq_len (its generation budget), so it re-runs too (instantly, when off)
     set_param(project, "data", "seq_len", 200)
-    assert reproduce(project) == {"prepare", "extract", "verify", "train", "eval"}
+    assert reproduce(project) == {"regenerate", "prepare", "extract", "verify", "train", "eval"}
 
     set_param(project, "train", "lr", 0.001)
     assert reproduce(project) == {"train", "eval"}

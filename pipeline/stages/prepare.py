@@ -19,9 +19,17 @@ from transformers import AutoTokenizer
 
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.errors import PipelineError
-from pipeline.layout import HELDOUT_PROMPTS, METRICS, PREPARED_DATASET, PREPARED_DIR, TOKEN_FREQ
+from pipeline.layout import (
+    HELDOUT_PROMPTS,
+    METRICS,
+    PREPARED_DATASET,
+    PREPARED_DIR,
+    REGENERATED_CONVERSATIONS,
+    REGENERATED_META,
+    TOKEN_FREQ,
+)
 from pipeline.params import DataParams
-from pipeline.target import load_target, sha256_json
+from pipeline.target import load_target, sha256_file, sha256_json
 
 METRICS_JSON = METRICS / "prepare.json"
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
@@ -127,7 +135,9 @@ def load_tokenizer(target):
     return tok
 
 
-def read_conversations(path: Path, tok, on_error: str, counts: Counter) -> list[Conversation]:
+def read_conversations(path: Path, tok, on_error: str, counts: Counter, line_key: str | None = None) -> list[Conversation]:
+    """Usable conversations of a chat JSONL; `line_key` names a field that holds the line number in
+    the original data file (the regenerate stage's output keeps it), else the line in `path`."""
     if not path.is_file():
         raise DataError(f"data.path: {path} not found")
     convs = []
@@ -138,7 +148,10 @@ def read_conversations(path: Path, tok, on_error: str, counts: Counter) -> list[
             counts["conversations_read"] += 1
             try:
                 try:
-                    messages = parse_record(json.loads(line))
+                    record = json.loads(line)
+                    messages = parse_record(record)
+                    if line_key is not None:
+                        line_no = record[line_key]
                 except json.JSONDecodeError as e:
                     raise Malformed(f"not valid JSON ({e.msg} at column {e.colno})") from None
                 try:
@@ -162,6 +175,21 @@ def heldout_record(sample_id: int, conv: Conversation) -> dict:
             "reference": conv.messages[first]["content"]}
 
 
+def regenerated_source(path: Path, params: DataParams) -> dict:
+    """The regenerate stage's provenance, checked against these params and data.path's content."""
+    if not REGENERATED_META.is_file():
+        raise DataError(f"data.regenerate.enabled is true but {REGENERATED_META} is missing; "
+                        "run the regenerate stage first (`dvc repro` or `make prepare` runs it)")
+    meta = json.loads(REGENERATED_META.read_text())
+    expected = {"enabled": True, "source_sha256": sha256_file(path), "regenerate": params.regenerate.model_dump(),
+                "seq_len": params.seq_len, "on_error": params.on_error}
+    stale = [k for k, v in expected.items() if meta.get(k) != v]
+    if stale:
+        raise DataError(f"{REGENERATED_META} was made from other inputs (differs in {', '.join(stale)}); "
+                        "re-run the regenerate stage (`dvc repro regenerate`)")
+    return meta
+
+
 def run(params: DataParams) -> None:
     path = Path(params.path)
     if not path.is_file():  # before loading anything
@@ -170,7 +198,12 @@ def run(params: DataParams) -> None:
     tok = load_tokenizer(target)
     counts = Counter({k: 0 for k in ("conversations_read", "skipped_malformed", "skipped_no_assistant",
                                      "truncated", "skipped_overlong", "capped")})
-    convs = read_conversations(path, tok, params.on_error, counts)
+    if params.regenerate.enabled:
+        source = regenerated_source(path, params)
+        convs = read_conversations(REGENERATED_CONVERSATIONS, tok, "fail", counts, line_key="source_line")
+        counts.update({k: v for k, v in source["counts"].items() if k.startswith("skipped_")})
+    else:
+        convs = read_conversations(path, tok, params.on_error, counts)
     if not convs:
         raise DataError(f"data.path: {path} holds no usable conversation "
                         f"({counts['conversations_read']} read, {counts['skipped_malformed']} malformed, "
