@@ -361,6 +361,12 @@ class Bench:
             self.child("plain:dense", 300, 120 if not smoke else 10)
             self.child("hf:dense", 180, 50 if not smoke else 10)
             self.child("verify:dense", 300, 60 if not smoke else 10)
+        if "verifyall" in jobs:
+            if "stage:dense" not in self.results["jobs"]:
+                self.child("build:dense", 240, 60)
+                self.prepare_project("dense")
+                self.child("stage:dense", 420, 200 if not smoke else 10)
+            self.child("verifyall:dense", 300, 60 if not smoke else 10)
         if "tune" in jobs and "build:dense" in self.results["jobs"]:
             self.child("matmul", 120, 30)
             self.child("plain:dense", 300, 120 if not smoke else 10)
@@ -455,6 +461,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "plain": job_plain,
         "hf": job_hf,
         "verify": job_verify,
+        "verifyall": job_verify_all,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -1060,6 +1067,59 @@ def job_verify(state: dict, name: str) -> dict:
     }
     log(f"verify {name}: passed={summary['passed']} {json.dumps(summary['layers'])}")
     return {"summary": summary, "metrics": metrics, "findings": findings[:50]}
+
+
+def job_verify_all(state: dict, name: str) -> dict:
+    """The verify stage as a user runs it (default params): every shard of the stage's extraction,
+    timed against that extraction (issue 4's budget: verify <= 5% of extraction time)."""
+    from pipeline import layout
+    from pipeline.params import VerifyParams
+    from pipeline.stages import verify
+
+    proj = Path(state[f"project_{name}"])
+    timings = {}
+    wrapped = {}
+    for fn in ("check_structure_and_values", "check_reference"):
+        orig = getattr(verify, fn)
+
+        def timed(*a, _orig=orig, _fn=fn, **kw):
+            t = time.monotonic()
+            r = _orig(*a, **kw)
+            timings[f"{_fn}_s"] = round(time.monotonic() - t, 2)
+            return r
+
+        wrapped[fn] = orig
+        setattr(verify, fn, timed)
+    t = time.monotonic()
+    failed = None
+    with contextlib.chdir(proj):
+        try:
+            verify.run(VerifyParams())
+        except verify.VerifyFailed as e:
+            failed = str(e)
+    verify_s = time.monotonic() - t
+    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+    extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
+    (Path(state["out"]) / f"verifyall_{name}_report.md").write_text((proj / "reports/verify/report.md").read_text())
+    scan_s = timings.get("check_structure_and_values_s")
+    extract_run_s = extract["wall_s"] - extract.get("engine_load_s", 0)
+    summary = {
+        "passed": failed is None,
+        "failure": failed,
+        "verify_s": round(verify_s, 2),
+        **timings,
+        "workers": metrics.get("verify_workers"),
+        "total_bytes": metrics.get("total_bytes"),
+        "num_tokens": metrics.get("num_tokens"),
+        "scan_gb_s": round(metrics["total_bytes"] / scan_s / 1e9, 3) if scan_s else None,
+        "extract_wall_s": extract["wall_s"],
+        "extract_engine_load_s": extract.get("engine_load_s"),
+        "verify_over_extract_wall": round(verify_s / extract["wall_s"], 4),
+        "scan_over_extract_after_load": round(scan_s / extract_run_s, 4) if scan_s else None,
+        "checks": metrics.get("checks"),
+    }
+    log(f"verifyall {name}: {json.dumps(summary)}")
+    return {"summary": summary}
 
 
 def main() -> None:

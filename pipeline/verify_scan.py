@@ -66,7 +66,7 @@ class ShardScan:
 
 
 def default_workers() -> int:
-    return max(1, min(8, len(os.sched_getaffinity(0))))
+    return max(1, min(32, len(os.sched_getaffinity(0))))
 
 
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
@@ -134,7 +134,7 @@ def scan_samples(scan: ShardScan, f, sample_ids: list[int], ctx: ScanContext) ->
         mask = f.get_tensor(f"{sid}/loss_mask")
         if not check_sample_structure(scan, sid, hs, ids, mask, ctx):
             continue
-        hsf = hs.float()
+        hsf = hs.to(ctx.reference.device).float()  # the reductions run on the GPU when there is one
         layer_max = hsf.amax(dim=(0, 2))
         layer_min = hsf.amin(dim=(0, 2))
         abs_max = torch.maximum(layer_max, -layer_min)
@@ -144,9 +144,9 @@ def scan_samples(scan: ShardScan, f, sample_ids: list[int], ctx: ScanContext) ->
         if not bool(torch.isfinite(abs_max).all()) or constant:
             report_bad_values(scan, sid, hs, ctx.layer_ids)
             continue
-        sums[:, 0] += hsf.sum(dim=(0, 2), dtype=torch.float64)
-        sums[:, 1] += hsf.square().sum(dim=(0, 2), dtype=torch.float64)
-        sums[:, 2] = torch.maximum(sums[:, 2], abs_max.double())
+        sums[:, 0] += hsf.sum(dim=(0, 2), dtype=torch.float64).cpu()
+        sums[:, 1] += hsf.square().sum(dim=(0, 2), dtype=torch.float64).cpu()
+        sums[:, 2] = torch.maximum(sums[:, 2], abs_max.double().cpu())
         sums[:, 3] += hsf.shape[0] * hsf.shape[2]
         scan.tokens += ids.numel()
         positions = mask[:-1].bool().nonzero().squeeze(-1)

@@ -48,7 +48,10 @@ def chat_target(tmp_path_factory) -> Target:
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=2,
                          num_key_value_heads=1, vocab_size=len(tok), max_position_embeddings=512,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.convert_tokens_to_ids(END))
-    LlamaForCausalLM(config).eval().save_pretrained(model_dir)
+    model = LlamaForCausalLM(config).eval()
+    # a strong end-of-turn row: greedy turns end after a few tokens, so stopping is tested too
+    model.lm_head.weight.data[config.eos_token_id] *= 40
+    model.save_pretrained(model_dir)
     save_tokenizer(tok, model_dir)
     return Target(path=model_dir, embedded=False, fingerprint=fingerprint_model_dir(model_dir))
 
@@ -91,6 +94,7 @@ def test_assistant_turns_are_the_targets_greedy_responses(regenerated: list[dict
     metrics = json.loads((project / layout.METRICS / "regenerate.json").read_text())
     total_turns = sum(m["role"] == "assistant" for o in original for m in o["messages"])
     assert metrics["turns_regenerated"] == total_turns and metrics["conversations"] == NUM_CONVERSATIONS
+    assert 0 < metrics["turns_cut_at_max_tokens"] < total_turns, "some turns must end at the end-of-turn token"
     for new, old in zip(regenerated, original, strict=True):
         # user/system turns kept verbatim, every assistant turn rewritten
         assert [m for m in new["messages"] if m["role"] != "assistant"] == [m for m in old["messages"] if m["role"] != "assistant"]
@@ -98,7 +102,7 @@ def test_assistant_turns_are_the_targets_greedy_responses(regenerated: list[dict
 
     tok = AutoTokenizer.from_pretrained(chat_target.path)
     model = AutoModelForCausalLM.from_pretrained(chat_target.path, torch_dtype=torch.float32).eval()
-    for conv in regenerated[:3]:
+    for conv in regenerated:
         first = next(i for i, m in enumerate(conv["messages"]) if m["role"] == "assistant")
         text = tok.apply_chat_template(conv["messages"][:first], tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids

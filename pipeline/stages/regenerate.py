@@ -127,7 +127,7 @@ class GenerationEngine:
     def __init__(self, target, cfg: RegenerateParams, seq_len: int) -> None:
         from pipeline import vllm_compat
 
-        self.cfg, self.seq_len = cfg, seq_len
+        self.cfg, self.seq_len, self.model_path = cfg, seq_len, target.path
         vllm_compat.configure_process_env(cfg.cpu_kvcache_gib, target.path, seq_len)
         from vllm import LLM
 
@@ -142,6 +142,9 @@ class GenerationEngine:
         from vllm.inputs import TokensPrompt
 
         stats = Counter()
+        # the engine runs without a tokenizer (token ids in and out), so it does not know the
+        # end-of-turn token: without these ids every turn would run on to max_tokens
+        stop_ids = end_of_turn_ids(tok, self.model_path)
         messages = [[dict(m) for m in c.messages] for c in convs]
         turn = {i: first_assistant(m, 0) for i, m in enumerate(messages)}
         regenerated_any = set()
@@ -163,7 +166,7 @@ class GenerationEngine:
                 prompts.append(TokensPrompt(prompt_token_ids=ids))
                 sampling.append(SamplingParams(
                     temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=min(self.cfg.max_tokens, room),
-                    seed=self.cfg.seed + 1_000_003 * (seed_base + i) + t, detokenize=False))
+                    seed=self.cfg.seed + 1_000_003 * (seed_base + i) + t, stop_token_ids=stop_ids, detokenize=False))
                 order.append((i, t))
             outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
             next_turn = {}
@@ -179,6 +182,19 @@ class GenerationEngine:
             turn = next_turn
         records = [{"source_line": c.line, "messages": m} for c, m in zip(convs, messages, strict=True)]
         return records, stats
+
+
+def end_of_turn_ids(tok, model_path: Path) -> list[int]:
+    """The tokenizer's eos plus generation_config.json's eos ids (a chat model's end-of-turn)."""
+    ids = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    gen = Path(model_path) / "generation_config.json"
+    if gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if not ids:
+        raise DataError(f"{model_path}: neither the tokenizer nor generation_config.json names an eos token; "
+                        "the regenerated turns would never end")
+    return sorted(ids)
 
 
 def first_assistant(messages: list[dict], start: int) -> int | None:
