@@ -141,6 +141,8 @@ def _nodes(*spec: tuple[float, float]) -> list[ray_extract.Node]:
          ["extract.replicas (2) x extract.tensor_parallel_size (8) x extract.pipeline_parallel_size (2) = 32 GPUs"]),
         ({"tensor_parallel_size": 16}, [(64, 8)] * 2, ["extract.tensor_parallel_size (16)", "pipeline_parallel_size"]),
         ({"replicas": 3, "tensor_parallel_size": 4}, [(64, 6)] * 2, ["must each fit one node", "only 2"]),
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 4}, [(64, 6)] * 3,
+         ["extract.pipeline_parallel_size (4) = 4 tensor-parallel groups", "only 3 fit"]),
     ],
 )
 def test_cluster_too_small_fails_before_loading(params: dict, nodes: list, words: list[str]):
