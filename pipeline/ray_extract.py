@@ -280,7 +280,9 @@ class Cluster:
 
         def lose(i: int, shard: int | None, why: str) -> None:
             with contextlib.suppress(Exception):
-                ray.kill(actors.pop(i), no_restart=True)  # unreachable counts as lost: never two writers of a shard
+                # an unreachable replica counts as lost too; should it still write its shard, that is
+                # the same bytes, renamed into place atomically
+                ray.kill(actors.pop(i), no_restart=True)
             where = info.get(i, {}).get("host", "?")
             lost.append(f"replica {i} on {where}: {why}" + (f" (was computing shard {shard})" if shard is not None else ""))
             log(f"lost {lost[-1]}")
@@ -368,7 +370,7 @@ class Cluster:
             ok = True
         finally:
             bar.close()
-            self._close(actors, graceful=ok)
+            self._close(actors, graceful=ok, loaded=set(info))
             # a replica killed mid-write leaves its shard's temp file: no replica is left to write
             if stale := remove_stale_temps(out):
                 log(f"removed {stale} temp file(s) of lost replicas")
@@ -381,11 +383,12 @@ class Cluster:
             log(f"{len(lost)} replica(s) lost, {sum(failures.values())} shard(s) re-run elsewhere:\n  " + "\n  ".join(lost))
         return prog
 
-    def _close(self, actors: dict, graceful: bool) -> None:
-        """Close the engines (after a success, when all are idle), then end the actors."""
+    def _close(self, actors: dict, graceful: bool, loaded: set[int]) -> None:
+        """Close the loaded engines (after a success, when all are idle), then end the actors; one
+        still loading when the work ran out is ended at once."""
         ray = self.ray
         refs = []
-        for a in actors.values() if graceful else ():
+        for a in [a for i, a in actors.items() if i in loaded] if graceful else ():
             with contextlib.suppress(Exception):
                 refs.append(a.close.remote())
         with contextlib.suppress(Exception):
