@@ -102,6 +102,12 @@ class ExtractParams(_Section):
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
     rank: int = Field(0, ge=0, description="This machine's rank when several machines split the shards.")
     world_size: int = Field(1, ge=1)
+    engine: Literal["local", "ray"] = Field(
+        "local", description="local = one engine in this process; ray = extract.replicas engines on a Ray cluster (docs/SCALING.md)."
+    )
+    ray_address: str = Field("auto", description="engine: ray: the cluster to join (ray.init address); auto = the one `ray start` runs on this node.")
+    replicas: int = Field(1, ge=1, description="engine: ray: engine actors, each with tensor_parallel_size x pipeline_parallel_size GPUs (1 CPU on CPU).")
+    max_retries: int = Field(2, ge=0, description="engine: ray: times a shard whose replica was lost is re-run on another replica.")
 
     @field_validator("layer_ids")
     @classmethod
@@ -122,6 +128,11 @@ class ExtractParams(_Section):
     def _rank_in_world(self) -> ExtractParams:
         if self.rank >= self.world_size:
             raise ValueError(f"extract.rank ({self.rank}) must be < extract.world_size ({self.world_size})")
+        if self.engine == "ray" and self.world_size != 1:
+            raise ValueError(
+                "extract.engine: ray hands shards to its replicas itself: set extract.world_size: 1 and extract.rank: 0 "
+                "(use extract.replicas for more engines), or extract.engine: local to split by rank"
+            )
         return self
 
 

@@ -15,6 +15,7 @@ mixed into a resumed run.
 from __future__ import annotations
 
 import json
+import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,6 +63,7 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
     header = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "shard_index": str(index)}
     with atomic_path(path) as tmp:
         save_file(tensors, tmp, metadata=header)
+        canonical_header(tmp)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
@@ -75,6 +77,27 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
     }
     atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def canonical_header(path: Path) -> None:
+    """Sort the safetensors header's `__metadata__` keys, in place.
+
+    safetensors writes `__metadata__` from a Rust HashMap, whose key order is random per process:
+    the same shard written by two processes (a re-run, another Ray replica) had different bytes and
+    hashes. Rewritten sorted, same length (compact JSON, as safetensors writes it; padded with
+    spaces, which the format allows), the same samples give the same file.
+    """
+    with open(path, "r+b") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        if "__metadata__" not in header:
+            return
+        meta = dict(sorted(header.pop("__metadata__").items()))
+        new = json.dumps({"__metadata__": meta, **header}, separators=(",", ":"), ensure_ascii=False).encode()
+        if len(new) > n:
+            raise RuntimeError(f"{path}: canonical safetensors header is {len(new)} bytes, more than the {n} written")
+        f.seek(8)
+        f.write(new.ljust(n, b" "))
 
 
 def read_manifest(shard_path: Path) -> dict:

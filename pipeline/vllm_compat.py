@@ -121,6 +121,7 @@ def engine_kwargs(
     pipeline_parallel_size: int = 1,
     gpu_memory_utilization: float = 0.9,
     trust_remote_code: bool = False,
+    distributed_executor_backend: str | None = None,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": str(model),
@@ -142,6 +143,8 @@ def engine_kwargs(
         },
         "kv_transfer_config": kv_transfer_config(scratch_dir),
     }
+    if distributed_executor_backend is not None:  # "ray": a TP x PP group spread over nodes (docs/SCALING.md)
+        kwargs["distributed_executor_backend"] = distributed_executor_backend
     if on_cuda():
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:

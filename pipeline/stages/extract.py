@@ -200,6 +200,7 @@ class Progress:
     # reading + checking them, writing + hashing shards)
     time_s: dict = field(default_factory=dict)
     shard_workers: int = 0
+    extra: dict = field(default_factory=dict)  # more metrics (engine: ray: replicas, losses, retries)
 
     def add_time(self, key: str, seconds: float) -> None:
         self.time_s[key] = self.time_s.get(key, 0.0) + seconds
@@ -281,9 +282,19 @@ def no_space_reason(e: BaseException) -> str | None:
 
 
 def run(params: ExtractParams) -> None:
-    """The stage; a write that fails for lack of space becomes a PipelineError naming the output."""
+    """The stage; a write that fails for lack of space becomes a PipelineError naming the output.
+
+    extract.engine: ray joins the Ray cluster and checks that the replicas fit it before anything
+    loads (pipeline/ray_extract.py); everything else (plan, resume, meta, metrics) is this module's.
+    """
     try:
-        _run(params)
+        if params.engine == "ray":
+            from pipeline import ray_extract
+
+            with ray_extract.connect(params) as cluster:
+                _run(params, cluster)
+        else:
+            _run(params)
     except PipelineError:
         raise
     except Exception as e:
@@ -297,7 +308,7 @@ def run(params: ExtractParams) -> None:
         ) from e
 
 
-def _run(params: ExtractParams) -> None:
+def _run(params: ExtractParams, cluster=None) -> None:
     t0 = time.monotonic()
     _install_kill_hook()
     target = load_target()
@@ -349,7 +360,10 @@ def _run(params: ExtractParams) -> None:
     prog = Progress()
     if todo:
         max_model_len = int(max(seq_lens)) + 1  # +1: the one generated token
-        prog = extract_shards(params, target, layer_ids, max_model_len, ds, plan, todo, out, common)
+        if cluster is not None:  # engine: ray, the replicas write the very same shards (ray_extract.py)
+            prog = cluster.extract_shards(params, target, layer_ids, max_model_len, plan, todo, out, common)
+        else:
+            prog = extract_shards(params, target, layer_ids, max_model_len, ds, plan, todo, out, common)
 
     complete = shards.complete_shards(out)
     meta.update(
@@ -373,6 +387,8 @@ def _run(params: ExtractParams) -> None:
         "shard_workers": prog.shard_workers,
         "time_s": {k: round(v, 3) for k, v in sorted(prog.time_s.items())},
         "vllm_version": version,
+        "engine": params.engine,
+        **prog.extra,
     }
     METRICS_FILE.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(METRICS_FILE, json.dumps(metrics, indent=1, sort_keys=True) + "\n")
@@ -425,30 +441,11 @@ def collect_shard(
     return len(samples), sum(len(s.input_ids) for s in samples), manifest["bytes"], times
 
 
-def extract_shards(
-    params: ExtractParams,
-    target: Target,
-    layer_ids: list[int],
-    max_model_len: int,
-    ds,
-    plan: ShardPlan,
-    todo: list[int],
-    out: Path,
-    manifest_extra: dict,
-) -> Progress:
-    """Start one engine, stream the `todo` shards' samples through it, write the shards; return the counts.
-
-    The calling thread feeds the engine: it keeps up to 2 x max_num_seqs requests (at most
-    4 x max_num_batched_tokens tokens) queued, steps the engine, and hands each shard whose
-    requests have all finished to a pool of shard threads. When the shard threads fall behind
-    (2 x threads shards waiting), no new shard is started until they catch up.
-    """
-    prog = Progress()
-    scratch = (out.parent / f"{out.name}.scratch").resolve()  # vLLM's per-request files, outside the DVC out
-    shutil.rmtree(scratch, ignore_errors=True)
-    scratch.mkdir(parents=True)
-    t_load = time.monotonic()
-    engine = vllm_compat.HiddenStatesEngine(
+def start_engine(
+    params: ExtractParams, target: Target, layer_ids: list[int], max_model_len: int, scratch: Path, **engine_extra
+) -> vllm_compat.HiddenStatesEngine:
+    """The one vLLM engine of a local run, or of one Ray replica (pipeline/ray_extract.py): same args."""
+    return vllm_compat.HiddenStatesEngine(
         cpu_kvcache_gib=params.cpu_kvcache_gib,
         model=target.path,
         layer_ids=layer_ids,
@@ -461,9 +458,43 @@ def extract_shards(
         pipeline_parallel_size=params.pipeline_parallel_size,
         gpu_memory_utilization=params.gpu_memory_utilization,
         trust_remote_code=target.trust_remote_code,
+        **engine_extra,
     )
-    prog.load_seconds = time.monotonic() - t_load
-    _kill_point("engine_started")
+
+
+def extract_shards(
+    params: ExtractParams,
+    target: Target,
+    layer_ids: list[int],
+    max_model_len: int,
+    ds,
+    plan: ShardPlan,
+    todo: list[int],
+    out: Path,
+    manifest_extra: dict,
+    engine: vllm_compat.HiddenStatesEngine | None = None,
+    show_progress: bool = True,
+) -> Progress:
+    """Start one engine, stream the `todo` shards' samples through it, write the shards; return the counts.
+
+    The calling thread feeds the engine: it keeps up to 2 x max_num_seqs requests (at most
+    4 x max_num_batched_tokens tokens) queued, steps the engine, and hands each shard whose
+    requests have all finished to a pool of shard threads. When the shard threads fall behind
+    (2 x threads shards waiting), no new shard is started until they catch up.
+
+    With `engine` given (a Ray replica, which keeps one engine for many calls), that engine is
+    used and left open, and no engine is started or closed here.
+    """
+    prog = Progress()
+    own_engine = engine is None
+    scratch = (out.parent / f"{out.name}.scratch").resolve()  # vLLM's per-request files, outside the DVC out
+    if own_engine:
+        shutil.rmtree(scratch, ignore_errors=True)
+        scratch.mkdir(parents=True)
+        t_load = time.monotonic()
+        engine = start_engine(params, target, layer_ids, max_model_len, scratch)
+        prog.load_seconds = time.monotonic() - t_load
+        _kill_point("engine_started")
     shape = (len(layer_ids), target.hidden_size)
     prog.shard_workers = workers = shard_workers()
     max_tasks = 2 * workers
@@ -480,7 +511,13 @@ def extract_shards(
     ready: deque[int] = deque()  # shards whose requests all finished, not yet handed to a thread
     tasks: dict[Future, int] = {}
     started = time.monotonic()
-    bar = tqdm(total=sum(len(range(*plan.bounds(k))) for k in todo), unit="sample", desc="extract", mininterval=1.0)
+    bar = tqdm(
+        total=sum(len(range(*plan.bounds(k))) for k in todo),
+        unit="sample",
+        desc="extract",
+        mininterval=1.0,
+        disable=not show_progress,
+    )
     try:
         while True:
             for fut in [f for f in tasks if f.done()]:
@@ -552,8 +589,9 @@ def extract_shards(
     finally:
         bar.close()
         pool.shutdown(wait=True, cancel_futures=True)
-        t_close = time.monotonic()
-        engine.close()
-        shutil.rmtree(scratch, ignore_errors=True)
-        prog.add_time("engine_close", time.monotonic() - t_close)
+        if own_engine:
+            t_close = time.monotonic()
+            engine.close()
+            shutil.rmtree(scratch, ignore_errors=True)
+            prog.add_time("engine_close", time.monotonic() - t_close)
     return prog

@@ -1,0 +1,448 @@
+"""extract.engine: ray: the extract stage's shards computed by `extract.replicas` vLLM engines on a Ray cluster.
+
+The driver (the extract stage, pipeline/stages/extract.py) does everything it does for a local
+run: plan the shards, keep the complete ones of the same run key (resume), write
+`extract_meta.json` and the metrics. Only the shards still to do go to the replicas:
+
+- `connect` joins the cluster at `extract.ray_address` and checks, before any engine loads, that
+  `replicas` x `tensor_parallel_size` x `pipeline_parallel_size` fit its GPUs (or, on a CPU
+  cluster, `replicas` fit its CPUs, one per replica); the error names the keys and the numbers.
+- Each replica is a Ray actor holding one engine, started with the same engine arguments as a
+  local run (`extract.start_engine`), and computes a shard with the local code itself
+  (`extract.extract_shards` with the replica's engine), so it checks and writes the shard the same
+  way, atomically, into the output directory, which every node must see at the same path (shared
+  storage). Same samples, same code: the same bytes as a local run (tests/test_ray_extract.py).
+- Work stealing: a replica gets one shard at a time, the next pending one, whenever it is idle,
+  so a slow node simply does fewer shards.
+- A lost replica (its process or node died): the shard it was computing goes back to the front
+  of the queue for another replica, at most `extract.max_retries` times per shard; complete
+  shards are on disk and never redone. When the retries of a shard run out, or no replica is
+  left, the run stops with a report (which shards, which replicas, why); a re-run resumes.
+- A shard that fails its checks (a PipelineError: bad data, misaligned tokens) stops the run
+  as in a local run: it would fail the same way anywhere.
+- One progress bar for the whole job: shards done, tok/s, ETA, live replicas.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import time
+from collections import Counter, deque
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from pipeline import shards
+from pipeline.errors import PipelineError
+from pipeline.params import ExtractParams
+
+NAMESPACE = "eagle3-extract"
+CLOSE_TIMEOUT_S = 60.0
+WAIT_S = 1.0
+
+# --- Fault-injection hook, for tests/test_ray_extract.py only; inert unless the variable is set. ---
+# EAGLE3_TEST_RAY_KILL=after_shards:<n>: once n shards of this run are complete, the driver SIGKILLs
+# the process of a replica that has a shard in flight (the first time one has), as a crash or a lost
+# node would.
+# The replica must run on this machine (a local test cluster).
+RAY_KILL_ENV = "EAGLE3_TEST_RAY_KILL"
+
+
+def _kill_after() -> int | None:
+    spec = os.environ.get(RAY_KILL_ENV)
+    if not spec:
+        return None
+    event, _, n = spec.rpartition(":")
+    if event != "after_shards":
+        raise ValueError(f"{RAY_KILL_ENV}={spec!r}: expected after_shards:<n>")
+    return int(n)
+
+
+# --- end of the fault-injection hook ---
+
+
+def log(msg: str) -> None:
+    print(f"[extract:ray] {msg}", flush=True)
+
+
+@dataclass(frozen=True)
+class Node:
+    host: str
+    cpus: float
+    gpus: float
+
+
+def _alive_nodes(ray) -> list[Node]:
+    return [
+        Node(n.get("NodeManagerHostname", n.get("NodeManagerAddress", "?")), n["Resources"].get("CPU", 0.0),
+             n["Resources"].get("GPU", 0.0))
+        for n in ray.nodes()
+        if n.get("Alive")
+    ]
+
+
+@dataclass(frozen=True)
+class ReplicaShape:
+    """What one replica asks Ray for, and how its engine spreads over devices."""
+
+    num_cpus: float
+    num_gpus: float
+    executor_backend: str | None  # vLLM's distributed_executor_backend; None = vLLM's default
+    on_gpu: bool
+
+
+def replica_shape(params: ExtractParams, nodes: list[Node], address: str) -> ReplicaShape:
+    """Check that `params` fit the cluster's `nodes`; raise a PipelineError naming the keys if not."""
+    tp, pp, r = params.tensor_parallel_size, params.pipeline_parallel_size, params.replicas
+    world = tp * pp
+    gpus = sum(n.gpus for n in nodes)
+    where = f"the Ray cluster at extract.ray_address={address!r} ({len(nodes)} node(s): " + ", ".join(
+        f"{n.host} {n.cpus:g} CPU/{n.gpus:g} GPU" for n in nodes
+    ) + ")"
+    if gpus == 0:
+        if world != 1:
+            raise PipelineError(
+                f"extract.tensor_parallel_size ({tp}) x extract.pipeline_parallel_size ({pp}) = {world}, but {where} "
+                "has no GPUs: on CPU each replica is one engine on one CPU; set both to 1 and use extract.replicas"
+            )
+        fit = sum(int(n.cpus) for n in nodes)
+        if r > fit:
+            raise PipelineError(
+                f"extract.replicas ({r}) needs {r} CPUs (one per CPU replica) but {where} has {fit}: "
+                f"lower extract.replicas to {max(fit, 1)} or add nodes (`ray start --address ...`)"
+            )
+        return ReplicaShape(num_cpus=1, num_gpus=0, executor_backend=None, on_gpu=False)
+    need = r * world
+    if need > gpus:
+        raise PipelineError(
+            f"extract.replicas ({r}) x extract.tensor_parallel_size ({tp}) x extract.pipeline_parallel_size ({pp}) "
+            f"= {need} GPUs, but {where} has {gpus:g}: lower extract.replicas (or the parallel sizes) or add nodes"
+        )
+    per_node = max(int(n.gpus) for n in nodes)
+    if tp > per_node:
+        raise PipelineError(
+            f"extract.tensor_parallel_size ({tp}) is more than the most GPUs on one node ({per_node}) of {where}: "
+            "a tensor-parallel group must stay inside a node; set extract.tensor_parallel_size <= "
+            f"{per_node} and spread the model over nodes with extract.pipeline_parallel_size (docs/SCALING.md)"
+        )
+    if world <= per_node:  # a replica inside one node: Ray gives the actor its GPUs
+        fit = sum(int(n.gpus) // world for n in nodes)
+        if r > fit:
+            raise PipelineError(
+                f"extract.replicas ({r}) replicas of {world} GPUs each (extract.tensor_parallel_size x "
+                f"extract.pipeline_parallel_size) must each fit one node; only {fit} fit in {where}: "
+                f"lower extract.replicas to {fit}"
+            )
+        return ReplicaShape(num_cpus=1, num_gpus=world, executor_backend="mp" if world > 1 else None, on_gpu=True)
+    # a replica larger than a node: vLLM's Ray executor places its TP x PP workers itself (a
+    # placement group of `world` GPU bundles); the actor only drives the engine.
+    whole = sum(int(n.gpus) // tp for n in nodes)  # TP groups that fit inside nodes
+    if r * pp > whole:
+        raise PipelineError(
+            f"extract.replicas ({r}) x extract.pipeline_parallel_size ({pp}) = {r * pp} tensor-parallel groups of "
+            f"{tp} GPUs (extract.tensor_parallel_size), each inside one node, but only {whole} fit in {where}"
+        )
+    return ReplicaShape(num_cpus=1, num_gpus=0, executor_backend="ray", on_gpu=True)
+
+
+class ShardReplica:
+    """One engine on the cluster (a Ray actor): computes and writes whole shards, one per call."""
+
+    def __init__(self, params, target, layer_ids, max_model_len, dataset: str, out: str, run_key: str,
+                 manifest_extra: dict, plan, executor_backend: str | None) -> None:
+        self.params, self.target, self.layer_ids, self.max_model_len = params, target, layer_ids, max_model_len
+        self.dataset, self.out, self.run_key = Path(dataset), Path(out), run_key
+        self.manifest_extra, self.plan, self.executor_backend = manifest_extra, plan, executor_backend
+        self.engine = None
+        self.scratch: Path | None = None
+
+    def start(self) -> dict:
+        """Check this node sees the shared output, load the data and the engine; return where it runs."""
+        import ray
+
+        from pipeline.stages import extract
+
+        host = socket.gethostname()
+        try:
+            meta = shards.read_meta(self.out)
+        except FileNotFoundError:
+            meta = {}
+        if meta.get("run_key") != self.run_key:
+            raise PipelineError(
+                f"replica on {host} does not see this run's {self.out / shards.META_FILE}: the output directory "
+                "must be on storage every node mounts at the same path (docs/SCALING.md)"
+            )
+        t0 = time.monotonic()
+        self.scratch = _scratch_dir()
+        self.ds, _ = extract.open_prepared(self.dataset)
+        extra = {"distributed_executor_backend": self.executor_backend} if self.executor_backend else {}
+        self.engine = extract.start_engine(
+            self.params, self.target, self.layer_ids, self.max_model_len, self.scratch, **extra
+        )
+        return {"host": host, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
+                "load_s": time.monotonic() - t0}
+
+    def extract(self, index: int) -> dict:
+        """Compute shard `index` with the local stage's code and this replica's engine; it lands in `out`."""
+        from pipeline.stages import extract
+
+        prog = extract.extract_shards(
+            self.params, self.target, self.layer_ids, self.max_model_len, self.ds, self.plan, [index], self.out,
+            self.manifest_extra, engine=self.engine, show_progress=False,
+        )
+        manifest = shards.read_manifest(self.out / shards.shard_name(index))
+        return {"index": index, "manifest": manifest, "samples": prog.samples, "tokens": prog.tokens,
+                "bytes": prog.bytes, "seconds": prog.seconds, "time_s": prog.time_s}
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _scratch_dir() -> Path:
+    """vLLM's per-request files of this replica: node-local, under the system temp dir.
+
+    Named by pid; directories of replicas whose process is gone (killed ones) are removed here.
+    """
+    root = Path(tempfile.gettempdir()) / "eagle3-extract-scratch"
+    root.mkdir(exist_ok=True)
+    for d in root.iterdir():
+        if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
+            shutil.rmtree(d, ignore_errors=True)
+    d = root / str(os.getpid())
+    shutil.rmtree(d, ignore_errors=True)
+    d.mkdir()
+    return d
+
+
+def _engine_env(shape: ReplicaShape) -> dict[str, str]:
+    """Environment of a replica's process. On CPU: one OpenMP thread per replica CPU, and no vLLM
+    core binding (two replicas on one machine would otherwise pin to the same cores)."""
+    if shape.on_gpu:
+        return {}
+    n = str(int(shape.num_cpus))
+    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+
+
+class Cluster:
+    """The driver's handle on the cluster (from `connect`)."""
+
+    def __init__(self, ray, params: ExtractParams, shape: ReplicaShape) -> None:
+        self.ray, self.params, self.shape = ray, params, shape
+
+    def extract_shards(self, params, target, layer_ids, max_model_len, plan, todo, out: Path, manifest_extra):
+        """Compute the `todo` shards on `params.replicas` replicas; return the stage's Progress."""
+        from pipeline import layout
+        from pipeline.atomic import remove_stale_temps
+        from pipeline.stages.extract import Progress
+
+        ray = self.ray
+        replica_cls = ray.remote(ShardReplica)
+        opts = {"num_cpus": self.shape.num_cpus, "num_gpus": self.shape.num_gpus, "max_restarts": 0,
+                "max_task_retries": 0, "runtime_env": {"env_vars": _engine_env(self.shape)}}
+        target = replace(target, path=Path(target.path).resolve())
+        out_abs = out.resolve()  # the launcher's link resolved: the path every node must see
+        run_key = manifest_extra["run_key"]
+        n = min(params.replicas, len(todo))
+        log(f"{len(todo)} shards to compute on {n} replica(s) ({self.shape.num_gpus:g} GPU, "
+            f"{self.shape.num_cpus:g} CPU each); output {out_abs}")
+        actors = {
+            i: replica_cls.options(name=f"replica-{i}", **opts).remote(
+                params, target, layer_ids, max_model_len, str(layout.PREPARED_DATASET.resolve()), str(out_abs),
+                run_key, manifest_extra, plan, self.shape.executor_backend,
+            )
+            for i in range(n)
+        }
+        info: dict[int, dict] = {}
+        starting = {actors[i].start.remote(): i for i in actors}
+        in_flight: dict = {}  # ObjectRef -> (replica, shard)
+        idle: deque[int] = deque()
+        pending = deque(todo)
+        failures: Counter[int] = Counter()
+        per_replica: Counter[int] = Counter()  # shards each replica wrote
+        lost: list[str] = []  # one line per lost replica
+        prog = Progress()
+        done = 0
+        kill_after = _kill_after()
+        started: float | None = None
+        ok = False
+        bar = tqdm(total=len(todo), unit="shard", desc="extract (ray)", mininterval=1.0)
+
+        def lose(i: int, shard: int | None, why: str) -> None:
+            with contextlib.suppress(Exception):
+                # an unreachable replica counts as lost too; should it still write its shard, that is
+                # the same bytes, renamed into place atomically
+                ray.kill(actors.pop(i), no_restart=True)
+            where = info.get(i, {}).get("host", "?")
+            lost.append(f"replica {i} on {where}: {why}" + (f" (was computing shard {shard})" if shard is not None else ""))
+            log(f"lost {lost[-1]}")
+            if shard is None:
+                return
+            failures[shard] += 1
+            if failures[shard] > params.max_retries:
+                raise PipelineError(
+                    f"shard {shard} was lost {failures[shard]} time(s), more than extract.max_retries "
+                    f"({params.max_retries}); {done} of {len(todo)} shards of this run are complete in {out_abs} "
+                    "and kept. Lost replicas:\n  " + "\n  ".join(lost) + "\nFix the nodes (or raise "
+                    "extract.max_retries) and re-run extract: only the missing shards are computed"
+                )
+            pending.appendleft(shard)
+
+        try:
+            while pending or in_flight:
+                while idle and pending:
+                    i = idle.popleft()
+                    if i not in actors:
+                        continue
+                    k = pending.popleft()
+                    in_flight[actors[i].extract.remote(k)] = (i, k)
+                if kill_after is not None and done >= kill_after and in_flight:  # test hook, see above
+                    victim, shard = next(iter(in_flight.values()))
+                    log(f"{RAY_KILL_ENV}: SIGKILL replica {victim} (pid {info[victim]['pid']}), shard {shard} in flight")
+                    os.kill(info[victim]["pid"], signal.SIGKILL)
+                    kill_after = None
+                if not in_flight and not starting:
+                    raise PipelineError(
+                        f"no replica is left and {len(pending)} of {len(todo)} shards are not done ({done} complete "
+                        f"in {out_abs}, kept). Lost replicas:\n  " + "\n  ".join(lost) + "\nFix the nodes and re-run "
+                        "extract: only the missing shards are computed"
+                    )
+                ready, _ = ray.wait([*starting, *in_flight], num_returns=1, timeout=WAIT_S)
+                for ref in ready:
+                    if ref in starting:
+                        i = starting.pop(ref)
+                        try:
+                            info[i] = ray.get(ref)
+                        except ray.exceptions.RayActorError as e:
+                            lose(i, None, f"died while starting ({_short(e)})")
+                            continue
+                        except ray.exceptions.RayTaskError as e:
+                            raise _cause(e, f"replica {i} could not start its engine") from None
+                        log(f"replica {i} ready on {info[i]['host']} (pid {info[i]['pid']}, "
+                            f"{info[i]['load_s']:.1f} s to load)")
+                        prog.load_seconds = max(prog.load_seconds, info[i]["load_s"])
+                        started = started or time.monotonic()
+                        idle.append(i)
+                        continue
+                    i, k = in_flight.pop(ref)
+                    try:
+                        res = ray.get(ref)
+                    except ray.exceptions.RayActorError as e:
+                        lose(i, k, f"died ({_short(e)})")
+                        continue
+                    except ray.exceptions.RayTaskError as e:
+                        if isinstance(e.cause, PipelineError):  # the shard's own checks: fails anywhere
+                            raise _cause(e, f"shard {k} (replica {i} on {info.get(i, {}).get('host')})") from None
+                        # an engine error: this replica's engine is in an unknown state; retire it
+                        lose(i, k, f"failed: {_short(e)}")
+                        continue
+                    m = res["manifest"]
+                    path = out / m["file"]
+                    if not path.is_file() or path.stat().st_size != m["bytes"]:
+                        raise PipelineError(
+                            f"replica {i} on {info[i]['host']} wrote shard {k}, but this driver does not see it at "
+                            f"{path.resolve()}: the output must be on storage every node mounts at the same path "
+                            "(docs/SCALING.md)"
+                        )
+                    done += 1
+                    prog.samples += res["samples"]
+                    prog.tokens += res["tokens"]
+                    prog.bytes += res["bytes"]
+                    for key, sec in res["time_s"].items():
+                        prog.add_time(key, sec)
+                    prog.seconds = time.monotonic() - (started or time.monotonic())
+                    bar.update(1)
+                    bar.set_postfix_str(f"{prog.tokens / max(prog.seconds, 1e-9):,.0f} tok/s, "
+                                        f"{len(actors)}/{n} replicas", refresh=False)
+                    per_replica[i] += 1
+                    idle.append(i)
+            prog.seconds = time.monotonic() - (started or time.monotonic())
+            ok = True
+        finally:
+            bar.close()
+            self._close(actors, graceful=ok, loaded=set(info))
+            # a replica killed mid-write leaves its shard's temp file: no replica is left to write
+            if stale := remove_stale_temps(out):
+                log(f"removed {stale} temp file(s) of lost replicas")
+        prog.shard_workers = 0
+        prog.extra = {"replicas": n, "replicas_lost": len(lost), "shard_retries": sum(failures.values()),
+                      "replica_hosts": sorted({v["host"] for v in info.values()}),
+                      "replica_nodes": len({v["node_id"] for v in info.values()}),
+                      "shards_per_replica": {str(i): per_replica[i] for i in range(n)}}
+        if lost:
+            log(f"{len(lost)} replica(s) lost, {sum(failures.values())} shard(s) re-run elsewhere:\n  " + "\n  ".join(lost))
+        return prog
+
+    def _close(self, actors: dict, graceful: bool, loaded: set[int]) -> None:
+        """Close the loaded engines (after a success, when all are idle), then end the actors; one
+        still loading when the work ran out is ended at once."""
+        ray = self.ray
+        refs = []
+        for a in [a for i, a in actors.items() if i in loaded] if graceful else ():
+            with contextlib.suppress(Exception):
+                refs.append(a.close.remote())
+        with contextlib.suppress(Exception):
+            if refs:
+                ray.wait(refs, num_returns=len(refs), timeout=CLOSE_TIMEOUT_S)
+        for a in actors.values():
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+def _cause(e, what: str) -> PipelineError:
+    cause = getattr(e, "cause", None) or e
+    return PipelineError(f"{what}: {type(cause).__name__}: {cause}")
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """An explicit host:port must answer at once: ray.init would otherwise retry for minutes."""
+    if address in ("auto", "local") or "://" in address or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=timeout_s).close()
+    except (OSError, ValueError) as e:
+        raise ConnectionError(f"nothing answers at {address}: {e}") from None
+
+
+@contextlib.contextmanager
+def connect(params: ExtractParams) -> Iterator[Cluster]:
+    """Join the cluster at extract.ray_address and check the replicas fit it; leave it on exit."""
+    try:
+        import ray
+    except ImportError:
+        raise PipelineError(
+            "extract.engine: ray needs the `ray` package: pip install ray==2.60.0 (pinned in requirements/cpu.txt)"
+        ) from None
+    owned = not ray.is_initialized()
+    if owned:
+        try:
+            _reachable(params.ray_address)
+            ray.init(address=params.ray_address, namespace=NAMESPACE, log_to_driver=True)
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise PipelineError(
+                f"extract.ray_address={params.ray_address!r}: cannot join a Ray cluster there ({_short(e)}). Start "
+                "one (`ray start --head` on the head node, `ray start --address <head>:6379` on the others; "
+                "docs/SCALING.md) or set extract.ray_address to its address, or set extract.engine: local"
+            ) from None
+    try:
+        shape = replica_shape(params, _alive_nodes(ray), params.ray_address)
+        yield Cluster(ray, params, shape)
+    finally:
+        if owned:
+            ray.shutdown()

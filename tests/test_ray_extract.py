@@ -1,0 +1,178 @@
+"""extract.engine: ray on a real local Ray cluster (a head and one worker node, 1 CPU each) with two
+real vLLM CPU replicas on the tiny model: same bytes as the local run, verify passes, and a replica
+killed mid-shard is replaced by the other one without losing or repeating a sample.
+
+One cluster for the module (each vLLM CPU engine takes ~20-40 s to start, the cluster ~10 s);
+it is always torn down, and the test checks that none of its processes are left.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from pipeline import layout, ray_extract, shards
+from pipeline.errors import PipelineError
+from pipeline.params import ExtractParams
+from pipeline.target import sha256_file
+from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
+
+pytestmark = pytest.mark.slow
+RAY_PARAMS = {**EXTRACT_PARAMS, "engine": "ray", "replicas": 2}
+
+
+def _processes_with(text: str) -> list[str]:
+    ps = subprocess.run(["ps", "-eo", "pid,args"], capture_output=True, text=True, check=True).stdout
+    return [line for line in ps.splitlines() if text in line and "ps -eo" not in line]
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Address of a local cluster: head + one worker node, 1 CPU each, in its own short temp dir."""
+    from ray.cluster_utils import Cluster
+
+    temp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TMPDIR", temp)  # all of Ray's files, the address file included, go there
+        mp.setenv("TMPDIR", temp)  # and the replicas' scratch dirs (a killed one leaves its own)
+        cluster = None
+        try:
+            cluster = Cluster(initialize_head=True, connect=False, head_node_args={"num_cpus": 1, "include_dashboard": False})
+            cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            yield cluster.address
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
+        deadline = time.monotonic() + 30
+        while (left := _processes_with(temp)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        shutil.rmtree(temp, ignore_errors=True)
+        assert not left, f"Ray processes left behind: {left}"
+
+
+def fresh_project(project_root: Path, dst: Path) -> Path:
+    return copy_project(project_root, dst, layout.TARGET_JSON, layout.PREPARED_DATASET)
+
+
+def shard_files(hs_dir: Path) -> dict[str, str]:
+    """Every shard and manifest file by name -> sha256: the data *and* the manifests must match."""
+    return {p.name: sha256_file(p) for p in sorted(hs_dir.glob("shard-*"))}
+
+
+def metrics(root: Path) -> dict:
+    return json.loads((root / layout.METRICS / "extract.json").read_text())
+
+
+def sample_ids(hs_dir: Path) -> list[int]:
+    return sorted(sid for p in shards.complete_shards(hs_dir) for sid in shards.read_manifest(p)["sample_ids"])
+
+
+def test_same_shards_as_local_run_and_verify_passes(extracted: Path, project_root: Path, tmp_path: Path, ray_cluster):
+    proj = fresh_project(project_root, tmp_path / "p")
+    run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster)
+
+    hs = proj / layout.HIDDEN_STATES_DIR
+    assert shard_files(hs) == shard_files(extracted)  # 3 shards + 3 manifests, byte for byte
+    assert len(shard_files(hs)) == 6
+    m = metrics(proj)
+    assert m["engine"] == "ray" and m["replicas"] == 2
+    # which replica wrote which shard depends on load times (on 2 busy cores the first one ready may
+    # write all 3 before the other has loaded): only the total is fixed
+    assert sum(m["shards_per_replica"].values()) == 3
+    assert (m["samples"], m["shards_written"], m["replicas_lost"], m["shard_retries"]) == (NUM_PREPARED, 3, 0, 0)
+    assert shards.read_meta(hs)["complete"] and not list(hs.glob("*.tmp-*"))
+
+    run_stage(proj, "verify", reference_samples=4)
+    assert json.loads((proj / layout.VERIFY_VERDICT).read_text())["passed"] is True
+
+
+def test_killed_replica_retries_run_out_then_resume_completes(
+    extracted: Path, project_root: Path, tmp_path: Path, ray_cluster, monkeypatch
+):
+    proj = fresh_project(project_root, tmp_path / "p")
+    hs = proj / layout.HIDDEN_STATES_DIR
+    # once the first shard of a run is done, the driver SIGKILLs a replica with a shard in flight
+    monkeypatch.setenv(ray_extract.RAY_KILL_ENV, "after_shards:1")
+
+    # no retries allowed: the run stops with a report; the complete shards stay on disk
+    with pytest.raises(PipelineError) as err:
+        run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=0)
+    msg = str(err.value)
+    assert "more than extract.max_retries (0)" in msg and "Lost replicas" in msg and "re-run extract" in msg, msg
+    kept = shard_files(hs)
+    assert kept and all(kept[name] == h for name, h in shard_files(extracted).items() if name in kept)
+    assert not list(hs.glob("*.tmp-*"))
+
+    # keep one complete shard, so two are left for the two replicas of the re-run
+    first = shards.complete_shards(hs)[0]
+    for p in shards.complete_shards(hs)[1:]:
+        p.unlink()
+        shards.manifest_path(p).unlink()
+
+    # re-run with a retry: the complete shard is kept, a replica is killed again with a shard in
+    # flight, the shard is re-run on the other one; every sample lands exactly once, same bytes as local
+    run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=1)
+    m = metrics(proj)
+    assert (m["shards_resumed"], m["shards_written"]) == (1, 2)
+    assert m["replicas_lost"] == 1 and m["shard_retries"] == 1, m
+    assert sample_ids(hs) == list(range(NUM_PREPARED))
+    assert shard_files(hs) == shard_files(extracted)
+    assert first.is_file() and not list(hs.glob("*.tmp-*"))
+
+
+def _nodes(*spec: tuple[float, float]) -> list[ray_extract.Node]:
+    return [ray_extract.Node(f"n{i}", cpus, gpus) for i, (cpus, gpus) in enumerate(spec)]
+
+
+@pytest.mark.parametrize(
+    ("params", "nodes", "words"),
+    [
+        ({"replicas": 3}, [(1, 0), (1, 0)], ["extract.replicas (3)", "2"]),
+        ({"tensor_parallel_size": 2}, [(8, 0)], ["extract.tensor_parallel_size (2)", "no GPUs"]),
+        ({"replicas": 2, "tensor_parallel_size": 8, "pipeline_parallel_size": 2}, [(64, 8)] * 2,
+         ["extract.replicas (2) x extract.tensor_parallel_size (8) x extract.pipeline_parallel_size (2) = 32 GPUs"]),
+        ({"tensor_parallel_size": 16}, [(64, 8)] * 2, ["extract.tensor_parallel_size (16)", "pipeline_parallel_size"]),
+        ({"replicas": 3, "tensor_parallel_size": 4}, [(64, 6)] * 2, ["must each fit one node", "only 2"]),
+        ({"tensor_parallel_size": 4, "pipeline_parallel_size": 4}, [(64, 6)] * 3,
+         ["extract.pipeline_parallel_size (4) = 4 tensor-parallel groups", "only 3 fit"]),
+    ],
+)
+def test_cluster_too_small_fails_before_loading(params: dict, nodes: list, words: list[str]):
+    p = ExtractParams(engine="ray", **params)
+    with pytest.raises(PipelineError) as err:
+        ray_extract.replica_shape(p, _nodes(*nodes), "auto")
+    for w in words:
+        assert w in str(err.value), str(err.value)
+
+
+def test_worked_example_two_nodes_of_8_gpus():
+    """docs/SCALING.md: TP=8 x PP=2 on 2 nodes x 8 GPUs is one replica on vLLM's Ray executor."""
+    p = ExtractParams(engine="ray", replicas=1, tensor_parallel_size=8, pipeline_parallel_size=2)
+    shape = ray_extract.replica_shape(p, _nodes((64, 8), (64, 8)), "auto")
+    assert shape == ray_extract.ReplicaShape(num_cpus=1, num_gpus=0, executor_backend="ray", on_gpu=True)
+    p = ExtractParams(engine="ray", replicas=4, tensor_parallel_size=4)
+    assert ray_extract.replica_shape(p, _nodes((64, 8), (64, 8)), "auto").num_gpus == 4
+
+
+def test_no_cluster_is_a_clear_error(tmp_path: Path):
+    """No silent fallback to a local Ray: an address with no cluster fails, naming the key."""
+    env = {**os.environ, "RAY_ADDRESS": ""}
+    code = (
+        "from pipeline import ray_extract\nfrom pipeline.params import ExtractParams\n"
+        "with ray_extract.connect(ExtractParams(engine='ray', ray_address='127.0.0.1:1')):\n    pass\n"
+    )
+    r = subprocess.run(["python", "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    assert r.returncode != 0 and "extract.ray_address='127.0.0.1:1'" in r.stderr and "ray start --head" in r.stderr, r.stderr
+
+
+def test_ray_engine_refuses_a_rank_split():
+    with pytest.raises(ValueError, match="extract.world_size: 1"):
+        ExtractParams(engine="ray", world_size=2, rank=1)
