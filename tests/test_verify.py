@@ -254,3 +254,23 @@ def test_bf16_extraction_passes_with_calibrated_tolerance(project: Path):
         assert 0 < row["rel_rms_error"] <= row["allowed"]
         assert row["calibration_rel_rms_error"] > 0
     assert "calibration_argmax_agreement" in metrics
+
+
+def test_per_shard_accuracy_alarm_needs_evidence():
+    """The per-shard next-token check fires on a real shortfall, never on a target at chance level."""
+    from pipeline.params import VerifyParams
+    from pipeline.stages.verify import Report, check_final_state_rates
+
+    def failures(ref_acc: float, shards: dict[str, tuple[float, int]]) -> list[str]:
+        report = Report(summary={"reference_next_token_acc": ref_acc, "final_layer_id": 8,
+                                 "per_shard_next_token_acc": {k: a for k, (a, _) in shards.items()},
+                                 "per_shard_positions": {k: n for k, (_, n) in shards.items()}})
+        check_final_state_rates(report, VerifyParams())
+        return [f.shard for f in report.failures("final_state")]
+
+    # a trained target (80%): a shard at 10% over 5000 positions is a wrong final layer
+    assert failures(0.8, {"a": (0.79, 5000), "b": (0.10, 5000)}) == ["b"]
+    # random weights (1/512): 0 hits in a shard is chance, not evidence
+    assert failures(0.004, {"a": (0.0, 2000), "b": (0.006, 2000)}) == []
+    # too few positions to tell
+    assert failures(0.8, {"a": (0.1, 20)}) == []
