@@ -458,15 +458,18 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
     if warnings:
         out += ["## Warnings", ""] + [f"- [{f.check}] {f.where()} {f.message}" for f in warnings] + [""]
     if report.layer_rows:
+        # fp32 bounds the max abs error; bf16/fp16 bound the relative RMS error (self-calibrated)
+        calibrated = "calibration_rel_rms_error" in report.layer_rows[0]
+        bound = "allowed rel. RMS error (calibrated)" if calibrated else "allowed max abs error"
         out += [
             "## Per layer, against the reference forward",
             "",
-            "| layer id | max abs error | allowed | rel. RMS error | cosine mean | cosine min | closest reference state | error at t-1 / t / t+1 |",
+            f"| layer id | max abs error | rel. RMS error | {bound} | cosine mean | cosine min | closest reference state | rel. error at t-1 / t / t+1 |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in report.layer_rows:
             out.append(
-                f"| {r['layer_id']} | {r['max_abs_error']:.3g} | {r.get('allowed', float('nan')):.3g} | {r['rel_rms_error']:.3g} | "
+                f"| {r['layer_id']} | {r['max_abs_error']:.3g} | {r['rel_rms_error']:.3g} | {r.get('allowed', float('nan')):.3g} | "
                 f"{r['cosine_mean']:.6f} | {r['cosine_min']:.6f} | {r['closest_reference']} | "
                 f"{r['shift_rel_error_-1']:.3g} / {r['shift_rel_error_0']:.3g} / {r['shift_rel_error_+1']:.3g} |"
             )
