@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
-STAGES := model prepare extract verify train eval
+STAGES := model regenerate prepare extract verify train eval
 
 .PHONY: setup repro test lint clean-venv push pull docker-build docker-shell $(STAGES)
 
