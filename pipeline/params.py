@@ -85,6 +85,9 @@ class ExtractParams(_Section):
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
     rank: int = Field(0, ge=0, description="This machine's rank when several machines split the shards.")
     world_size: int = Field(1, ge=1)
+    free_space_margin: float = Field(
+        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/plan.py)."
+    )
 
     @field_validator("layer_ids")
     @classmethod
@@ -106,6 +109,14 @@ class ExtractParams(_Section):
         if self.rank >= self.world_size:
             raise ValueError(f"extract.rank ({self.rank}) must be < extract.world_size ({self.world_size})")
         return self
+
+
+class PlanParams(_Section):
+    """Read by `python -m pipeline plan` only (capacity planning; no DVC stage)."""
+
+    calibration_samples: int = Field(
+        32, ge=1, description="Samples of the short extraction `plan` runs for tokens/s when no extraction ran on this machine yet."
+    )
 
 
 class VerifyParams(_Section):
@@ -186,6 +197,7 @@ class Params(_Section):
     verify: VerifyParams = VerifyParams()
     train: TrainParams = TrainParams()
     eval: EvalParams = EvalParams()
+    plan: PlanParams = PlanParams()
     runtime: RuntimeParams = RuntimeParams()
 
 
