@@ -168,14 +168,14 @@ class DiskNeed:
             f"({proj.samples:,} samples, {proj.tokens:,} tokens x {proj.num_layers} layers x hidden {proj.hidden_size} "
             f"x {DTYPE_BYTES[proj.dtype]} B ({proj.dtype}) + ids, mask and format overhead) plus up to "
             f"{human_bytes(self.scratch_bytes)} of vLLM's scratch files, {human_bytes(self.required)} with the "
-            f"{self.margin:.0%} margin (extract.free_space_margin), but {self.filesystem} has "
+            f"{self.margin:.0%} margin (extract.free_space_margin), but the filesystem holding {self.filesystem} has "
             f"{human_bytes(self.available)} free"
             + (f" (counting {human_bytes(self.reclaimed_bytes)} of old shards it would delete)" if self.reclaimed_bytes else "")
             + f". Nothing was written. To fit: free space there or point {self.out} elsewhere (e.g. make "
             f"artifacts/ a link to a larger disk); use fewer samples (data.max_samples); shorter samples "
             f"(data.seq_len{f'; the longest prepared sample has {seq_len} tokens' if seq_len else ''}); fewer layers (extract.layer_ids, now "
-            f"{proj.num_layers}); or extract.dtype: bfloat16 (half of float32). `python -m pipeline plan` "
-            f"shows the projection."
+            f"{proj.num_layers})" + ("; or extract.dtype: bfloat16 (half of float32)" if proj.dtype == "float32" else "")
+            + ". `python -m pipeline plan` shows the projection."
         )
 
 

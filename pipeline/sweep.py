@@ -35,6 +35,8 @@ FILES = {"extract": METRICS / "extract.json", "verify": METRICS / "verify.json",
 SWEEP_JSON = REPORTS / "sweep.json"
 SWEEP_MD = REPORTS / "sweep.md"
 RUNNING = re.compile(r"Running stage '([\w-]+)'")
+FAILED = re.compile(r"failed to reproduce '([\w-]+)'")
+SHARED = ("model", "prepare")  # do not depend on the layer ids: a failure there fails every point
 
 
 def default_grid(num_layers: int) -> list[list[int]]:
@@ -97,7 +99,7 @@ def row_cells(r: dict) -> list[str]:
     tps = "-" if r.get("spec_tokens_per_s") is None else f"{r['spec_tokens_per_s']:.0f} / {r['baseline_tokens_per_s']:.0f}"
     status = r.get("verify") or "-"
     if r.get("returncode"):
-        status += f" (exp exit {r['returncode']})"
+        status += f" ({r.get('failed_stage') or 'exp'} failed, exit {r['returncode']})"
     return [r["name"], str(r["layer_ids"]), status, acc, f(r.get("tau"), ".3f"), tps, f(r.get("speedup"), ".2f"),
             f(r.get("extract_tok_per_s"), ",.0f"), ", ".join(r.get("stages_run") or []) or "none (all cached)",
             f(r.get("wall_s"), ".0f") + (" s" if r.get("wall_s") is not None else "")]
@@ -143,13 +145,15 @@ def run_point(ids: list[int], epochs: int | None) -> dict:
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
     ran: list[str] = []
+    failed: list[str] = []
     assert proc.stdout is not None
     for line in proc.stdout:
         sys.stdout.write(line)
         ran += RUNNING.findall(line)
+        failed += FAILED.findall(line)
     rc = proc.wait()
-    row = {"name": name, "layer_ids": ids, "returncode": rc, "stages_run": ran, "wall_s": round(time.monotonic() - t0, 1),
-           **collect()}
+    row = {"name": name, "layer_ids": ids, "returncode": rc, "failed_stage": failed[0] if failed else None,
+           "stages_run": ran, "wall_s": round(time.monotonic() - t0, 1), **collect()}
     if row["verify_layer_ids"] not in (None, ids):
         raise PipelineError(f"{FILES['verify']} is of layers {row['verify_layer_ids']}, not {ids}: the sweep lost track")
     return row
@@ -162,6 +166,9 @@ def sweep(grid: list[list[int]], epochs: int | None) -> list[dict]:
     try:
         for ids in grid:
             rows.append(run_point(ids, epochs))
+            if rows[-1]["failed_stage"] in SHARED:
+                raise PipelineError(f"stage {rows[-1]['failed_stage']} failed (log above); it is the same for every "
+                                    "layer set, so the sweep stops here")
     finally:
         PARAMS_FILE.write_text(original)
         if rows:

@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 from pipeline import layout, plan
@@ -65,6 +66,7 @@ def test_extract_refuses_before_any_engine_when_the_disk_is_too_small(tmp_path, 
     assert not (root / layout.METRICS / "extract.json").exists()
 
 
+@pytest.mark.slow
 def test_projection_matches_a_real_extraction(tmp_path, tiny_target, prepared, project_root, extracted, extract_metrics):
     """Projected before any shard exists (overhead measured on a shard the writer makes for it),
     then compared with what the real extraction of the same data and params wrote."""

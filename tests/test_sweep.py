@@ -11,6 +11,8 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
+
 from pipeline import layout, sweep
 from tests.conftest import copy_project, run_stage
 from tests.tiny_project import make_project
@@ -23,6 +25,7 @@ def test_default_grid_keeps_the_final_layer_and_is_valid():
     assert sweep.exp_name([2, 4, 5, 8], 5) == "sweep-l2-4-5-8-e5"
 
 
+@pytest.mark.slow
 def test_table_from_real_stage_metrics(tmp_path: Path, extracted: Path, project_root: Path):
     ev = copy_project(project_root, tmp_path / "ev", layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR,
                       layout.METRICS / "extract.json")
@@ -55,6 +58,6 @@ def test_table_from_real_stage_metrics(tmp_path: Path, extracted: Path, project_
 
     # a point whose eval did not run: blanks, not the previous point's numbers
     (point / sweep.FILES["eval"]).unlink()
-    partial = {**row, **sweep.collect(point), "returncode": 1}
+    partial = {**row, **sweep.collect(point), "returncode": 1, "failed_stage": "eval"}
     cells = [c.strip() for c in sweep.markdown([partial]).splitlines()[2].strip("|").split("|")]
-    assert cells[4] == "-" and cells[5] == "-" and "(exp exit 1)" in cells[2]
+    assert cells[4] == "-" and cells[5] == "-" and "(eval failed, exit 1)" in cells[2]
