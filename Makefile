@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test lint clean-venv push pull docker-build docker-shell $(STAGES)
+.PHONY: setup repro test lint clean-venv push pull docker-build docker-shell plan sweep $(STAGES)
 
 setup: $(STAMP)
 
@@ -32,6 +32,17 @@ repro: setup
 # `make extract` runs extract and whatever upstream of it is stale, as `dvc repro extract` does
 $(STAGES): setup
 	dvc repro $@
+
+# Capacity planning (pipeline/plan.py): bytes the extraction will write, free space, wall time,
+# engine memory; PLAN_ARGS projects another model/dataset, e.g. the Kimi-K2.5-shaped example:
+#   make plan PLAN_ARGS="--config examples/kimi-k2.5-config.json --tokens 1e9 --dtype bfloat16 --layer-ids 2,30,58,61"
+plan: setup
+	$(PY) -m pipeline plan $(PLAN_ARGS)
+
+# A grid of extract.layer_ids as DVC experiments (needs git: README "Experiments"), each through
+# verify, train, eval; one table at the end. SWEEP_TRAIN_EPOCHS=5 shortens training on CPU.
+sweep: setup
+	$(PY) -m pipeline sweep
 
 test: setup
 	$(PY) -m pytest -q

@@ -77,3 +77,74 @@ def export_cmd(fmt: str, out: Path) -> None:
     except PipelineError as e:
         click.secho(f"[export] error: {e}", fg="red", err=True)
         sys.exit(1)
+
+
+def _layer_list(value: str | None) -> list[int] | None:
+    return None if value is None else [int(x) for x in value.replace("[", "").replace("]", "").split(",") if x.strip()]
+
+
+@main.command("plan")
+@click.option("--tokens", type=float, help="Project this many tokens instead of the prepared dataset's (e.g. 1e9).")
+@click.option("--samples", type=int, help="With --tokens: samples (default tokens / data.seq_len).")
+@click.option("--config", "config_path", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A model's config.json to project instead of artifacts/model (e.g. examples/kimi-k2.5-config.json).")
+@click.option("--hidden-size", type=int, help="Override the model's hidden size.")
+@click.option("--num-layers", type=int, help="Override the model's decoder layer count.")
+@click.option("--layer-ids", help="Override extract.layer_ids, e.g. 2,30,58,61.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Override extract.dtype.")
+@click.option("--weights-gib", type=float, help="Checkpoint size in GiB (default: the target's weight files).")
+@click.option("--gpu-gib", type=float, help="Memory per GPU in GiB, for a machine that is not this one.")
+@click.option("--tensor-parallel-size", type=int, help="Override extract.tensor_parallel_size (GPUs the weights are split over).")
+@click.option("--tok-per-s", type=float, help="Assumed extraction throughput (default: measured here).")
+@click.option("--calibrate/--no-calibrate", default=None,
+              help="Force / forbid the short calibration extraction (default: only when no extraction ran here).")
+@click.option("--json", "json_out", is_flag=True, help="Also write the projection to reports/plan.json.")
+@click.pass_obj
+def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_layers, layer_ids, dtype, weights_gib,
+             gpu_gib, tensor_parallel_size, tok_per_s, calibrate, json_out) -> None:
+    """Project the extraction's bytes, free space, wall time and engine memory (pipeline/plan.py)."""
+    import json
+
+    from pipeline import plan
+    from pipeline.atomic import atomic_write_text
+
+    try:
+        params = load_params(params_file)
+        config = None
+        if config_path:
+            raw = json.loads(config_path.read_text())
+            config = raw.get("text_config", raw)
+        ext = params.extract
+        n = (tensor_parallel_size or ext.tensor_parallel_size) * ext.pipeline_parallel_size
+        gpus = None if gpu_gib is None else [int(gpu_gib * 2**30)] * n
+        p = plan.build_plan(params, tokens=tokens, samples=samples, config=config, hidden_size=hidden_size,
+                            num_layers=num_layers, layer_ids=_layer_list(layer_ids), dtype=dtype, weights_gib=weights_gib,
+                            tok_per_s=tok_per_s, do_calibrate=calibrate, gpus=gpus,
+                            tensor_parallel_size=tensor_parallel_size)
+        plan.render(p)
+        if json_out:
+            plan.PLAN_JSON.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(plan.PLAN_JSON, json.dumps(p.to_json(), indent=1, default=str) + "\n")
+    except PipelineError as e:
+        click.secho(f"[plan] error: {e}", fg="red", err=True)
+        sys.exit(1)
+
+
+@main.command("sweep")
+@click.option("--layer-sets", help="Grid of extract.layer_ids, ';'-separated, e.g. '2,4,5,8;3,5,6,8' (default: the "
+              "default layers, shifted by one, and a shallow set).")
+@click.option("--train-epochs", type=int, envvar="SWEEP_TRAIN_EPOCHS",
+              help="train.epochs for every point (shorter runs on CPU); env SWEEP_TRAIN_EPOCHS.")
+@click.pass_obj
+def sweep_cmd(params_file: Path, layer_sets: str | None, train_epochs: int | None) -> None:
+    """Run a grid of layer-id sets as DVC experiments, each through verify, train and eval; print one table."""
+    from pipeline import sweep
+
+    if params_file != Path("params.yaml"):
+        click.secho("[sweep] error: DVC experiments set params in params.yaml; run without --params", fg="red", err=True)
+        sys.exit(1)
+    try:
+        sweep.main(layer_sets, train_epochs)
+    except PipelineError as e:
+        click.secho(f"[sweep] error: {e}", fg="red", err=True)
+        sys.exit(1)

@@ -262,7 +262,19 @@ def resumable_outputs(outs: Sequence[Path]) -> Iterator[None]:
         work.mkdir(parents=True, exist_ok=True)
         out.parent.mkdir(parents=True, exist_ok=True)
         os.symlink(os.path.relpath(work, out.parent), out, target_is_directory=True)
-    yield
+    try:
+        yield
+    except BaseException:
+        # a run that failed before writing anything (e.g. the extract stage's free-space refusal)
+        # leaves nothing behind; one with work in it keeps the link, so the next run resumes
+        for out in outs:
+            work = partial_path(out)
+            if out.is_symlink() and work.is_dir() and not any(work.iterdir()):
+                out.unlink()
+                work.rmdir()
+        if PARTIAL_DIR.is_dir() and not any(PARTIAL_DIR.rglob("*")):
+            shutil.rmtree(PARTIAL_DIR)
+        raise
     for out in outs:
         out.unlink()
         os.replace(partial_path(out), out)

@@ -108,6 +108,9 @@ class ExtractParams(_Section):
     ray_address: str = Field("auto", description="engine: ray: the cluster to join (ray.init address); auto = the one `ray start` runs on this node.")
     replicas: int = Field(1, ge=1, description="engine: ray: engine actors, each with tensor_parallel_size x pipeline_parallel_size GPUs (1 CPU on CPU).")
     max_retries: int = Field(2, ge=0, description="engine: ray: times a shard whose replica was lost is re-run on another replica.")
+    free_space_margin: float = Field(
+        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/plan.py)."
+    )
 
     @field_validator("layer_ids")
     @classmethod
@@ -134,6 +137,14 @@ class ExtractParams(_Section):
                 "(use extract.replicas for more engines), or extract.engine: local to split by rank"
             )
         return self
+
+
+class PlanParams(_Section):
+    """Read by `python -m pipeline plan` only (capacity planning; no DVC stage)."""
+
+    calibration_samples: int = Field(
+        32, ge=1, description="Samples of the short extraction `plan` runs for tokens/s when no extraction ran on this machine yet."
+    )
 
 
 class VerifyParams(_Section):
@@ -215,6 +226,7 @@ class Params(_Section):
     verify: VerifyParams = VerifyParams()
     train: TrainParams = TrainParams()
     eval: EvalParams = EvalParams()
+    plan: PlanParams = PlanParams()
     runtime: RuntimeParams = RuntimeParams()
 
 

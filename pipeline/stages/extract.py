@@ -20,6 +20,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import threading
 import time
 from collections import deque
@@ -150,6 +151,26 @@ def run_key_fields(target: Target, data_hash: str, layer_ids: list[int], params:
         "samples_per_shard": params.samples_per_shard,
         "world_size": params.world_size,
     }
+
+
+def check_free_space(out: Path, params: ExtractParams, target: Target, layer_ids: list[int], plan: ShardPlan,
+                     seq_lens, run_key: str) -> None:
+    """Refuse, before the output is touched or the engine loads, when the shards still to write (and
+    vLLM's scratch files) do not fit the output's filesystem with extract.free_space_margin."""
+    from pipeline import plan as capacity
+
+    kept, kept_bytes, reclaimed = capacity.existing_work(out, run_key)
+    todo = [i for k in plan.shards if k not in kept for i in range(*plan.bounds(k))]
+    mine = [i for k in plan.shards for i in range(*plan.bounds(k))]
+    overhead = capacity.measure_overhead(out, len(layer_ids), target.hidden_size, params.dtype, params.samples_per_shard)
+    proj = capacity.Projection(len(mine), int(seq_lens[mine].sum()) if mine else 0, len(layer_ids), target.hidden_size,
+                               params.dtype, overhead)
+    need = capacity.disk_need(out, proj, int(seq_lens[todo].sum()) if todo else 0, len(todo), kept_bytes, reclaimed,
+                              params.samples_per_shard, params.max_num_batched_tokens, params.free_space_margin)
+    if not need.fits:
+        raise PipelineError(need.refusal(proj, int(max(seq_lens)) if len(seq_lens) else None))
+    log(f"space: {capacity.human_bytes(need.needed)} to write (shards + scratch bound), "
+        f"{capacity.human_bytes(need.available)} free on {need.filesystem}")
 
 
 def prepare_output_dir(out: Path, run_key: str, key_fields: dict) -> set[int]:
@@ -326,6 +347,7 @@ def _run(params: ExtractParams, cluster=None) -> None:
     version = vllm_compat.vllm_version()
 
     out = HIDDEN_STATES_DIR
+    check_free_space(out, params, target, layer_ids, plan, seq_lens, run_key)  # before anything is written
     done = prepare_output_dir(out, run_key, key_fields)
     todo = [k for k in plan.shards if k not in done]
     common = {
@@ -389,6 +411,10 @@ def _run(params: ExtractParams, cluster=None) -> None:
         "vllm_version": version,
         "engine": params.engine,
         **prog.extra,
+        # what `python -m pipeline plan` needs to reuse this run's tok/s for a projection here
+        "host": socket.gethostname(),
+        "layer_ids": layer_ids,
+        "dtype": params.dtype,
     }
     METRICS_FILE.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(METRICS_FILE, json.dumps(metrics, indent=1, sort_keys=True) + "\n")

@@ -1,0 +1,102 @@
+"""Capacity planning (pipeline/plan.py) and the extract stage's refusal to start without the space.
+
+The refusal is tested through the real CLI entry (`python -m pipeline run extract`, launcher
+included) in a child process, with the free bytes the output's filesystem reports made small by the
+plan module's test hook (EAGLE3_TEST_FREE_BYTES); the projection is checked against the bytes a
+real extraction of the same data wrote.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from pipeline import layout, plan
+from pipeline.params import Params
+from tests.conftest import EXTRACT_PARAMS, copy_project
+
+ROOT = Path(__file__).resolve().parents[1]
+# runs the CLI as `python -m pipeline` does, then says whether vLLM was ever imported: no engine
+# can start without it, so False proves the refusal came before any engine
+DRIVER = (
+    "import runpy, sys\n"
+    "sys.argv = ['pipeline', 'run', 'extract']\n"
+    "try:\n"
+    "    runpy.run_module('pipeline', run_name='__main__')\n"
+    "except SystemExit as e:\n"
+    "    print(f'EXIT={e.code} VLLM_IMPORTED={\"vllm\" in sys.modules}')\n"
+)
+
+
+def project_copy(project_root: Path, dst: Path) -> Path:
+    root = copy_project(project_root, dst, layout.TARGET_JSON, layout.PREPARED_DIR)
+    (root / "params.yaml").write_text(yaml.safe_dump({"extract": EXTRACT_PARAMS}))
+    return root
+
+
+def projected(root: Path, **kw) -> plan.Plan:
+    with contextlib.chdir(root):
+        return plan.build_plan(Params.model_validate({"extract": EXTRACT_PARAMS}), **kw)
+
+
+def test_extract_refuses_before_any_engine_when_the_disk_is_too_small(tmp_path, tiny_target, prepared, project_root):
+    root = project_copy(project_root, tmp_path / "p")
+    need = projected(root, tok_per_s=1.0).need
+    assert need.shard_bytes > 0 and need.required > need.needed > need.shard_bytes
+    free = need.required - 1  # one byte short of the projection + margin
+    env = {**os.environ, "PYTHONPATH": str(ROOT), plan.FREE_BYTES_ENV: str(free)}
+    proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert "EXIT=1 VLLM_IMPORTED=False" in proc.stdout, proc.stdout + proc.stderr
+    msg = " ".join(proc.stderr.split())
+    assert "not enough free space for the extraction" in msg
+    assert plan.human_bytes(need.shard_bytes) in msg and plan.human_bytes(free) in msg
+    for hint in ("data.max_samples", "data.seq_len", "extract.layer_ids", "extract.dtype", "free_space_margin"):
+        assert hint in msg, hint
+    # nothing written: no output, no work directory, no scratch, no metrics
+    assert not os.path.lexists(root / layout.HIDDEN_STATES_DIR)
+    assert not (root / "artifacts" / ".partial").exists()
+    assert not (root / "artifacts" / "hidden_states.scratch").exists()
+    assert not (root / layout.METRICS / "extract.json").exists()
+
+
+@pytest.mark.slow
+def test_projection_matches_a_real_extraction(tmp_path, tiny_target, prepared, project_root, extracted, extract_metrics):
+    """Projected before any shard exists (overhead measured on a shard the writer makes for it),
+    then compared with what the real extraction of the same data and params wrote."""
+    p = projected(project_copy(project_root, tmp_path / "p"), tok_per_s=1.0)
+    files = sorted(extracted.glob("shard-*"))
+    written = sum(f.stat().st_size for f in files)
+    assert p.projection.tokens == extract_metrics["tokens"] and p.projection.samples == extract_metrics["samples"]
+    assert p.projection.bytes_per_token == 4 * 64 * 4 + 9  # 4 layers x hidden 64 x float32 + ids and mask
+    assert p.projection.bytes_per_token < extract_metrics["bytes_per_token"]  # the stage's figure counts the headers
+    assert abs(p.projection.bytes - written) / written < 0.005, (p.projection.bytes, written)
+    assert p.need.fits and p.need.reclaimed_bytes == 0
+
+    # in the extracted project: its own shards are kept (nothing new to write), its tok/s is reused
+    here = projected(project_root)
+    assert here.need.kept_bytes == written and here.need.shard_bytes == 0
+    assert here.throughput.tok_per_s == extract_metrics["tok_per_s"] and "last extraction" in here.throughput.source
+    assert here.seconds == 0 and p.seconds == p.projection.tokens / 1.0  # all done here; --tok-per-s 1 there
+
+
+def test_real_scale_projection_from_the_cli(tmp_path):
+    """The documented Kimi-K2.5-shaped example (README): no model or data needed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
+    args = ["--config", str(ROOT / "examples" / "kimi-k2.5-config.json"), "--tokens", "1e9", "--dtype", "bfloat16",
+            "--layer-ids", "2,30,58,61", "--weights-gib", "594", "--gpu-gib", "141", "--tok-per-s", "20000", "--json"]
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--params", str(ROOT / "params.yaml"), "plan", *args],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads((tmp_path / plan.PLAN_JSON).read_text())
+    per_token = 4 * 7168 * 2 + 9
+    assert out["projection"]["bytes_per_token"] == per_token
+    assert per_token * 10**9 < out["projection"]["bytes"] < per_token * 10**9 * 1.001
+    assert "57.35 TB" in proc.stdout and "NO" in proc.stdout  # does not fit this machine's disk
+    assert out["seconds"] == 10**9 / 20000
