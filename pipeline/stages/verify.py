@@ -39,6 +39,7 @@ LAYER_CSV = METRICS / "verify_layers.csv"
 OUTLIER_FACTOR = 3.0  # a shard's per-layer RMS this far from the median of all shards is flagged
 STORAGE_OVERHEAD_WARN = 1.5
 BF16_REL_FLOOR = 2.0**-8  # bf16 rounding alone gives about this relative error
+MIN_EXPECTED_HITS = 10  # a shard's next-token accuracy is compared only where the reference expects this many hits
 
 
 class VerifyFailed(PipelineError):
@@ -129,6 +130,7 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
     total_bytes = total_tokens = 0
     correct = counted = 0
     per_shard_acc: dict[str, float] = {}
+    per_shard_positions: dict[str, int] = {}
 
     files = sorted(HIDDEN_STATES_DIR.glob("shard-*.safetensors"))
     orphans = [p for p in HIDDEN_STATES_DIR.glob("shard-*.json") if not p.with_suffix(".safetensors").is_file()]
@@ -199,6 +201,7 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
         correct += shard_correct
         counted += shard_counted
         per_shard_acc[name] = shard_correct / shard_counted if shard_counted else float("nan")
+        per_shard_positions[name] = shard_counted
         count = sums[:, 3].clamp_min(1)
         mean = sums[:, 0] / count
         rms = (sums[:, 1] / count).sqrt()
@@ -230,6 +233,7 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
         final_state_next_token_acc=(correct / counted) if counted else None,
         final_state_positions=counted,
         per_shard_next_token_acc=per_shard_acc,
+        per_shard_positions=per_shard_positions,
     )
     if total_tokens and bytes_per_token > STORAGE_OVERHEAD_WARN * min_bytes:
         report.warn("storage", f"{bytes_per_token:.0f} bytes/token is over {STORAGE_OVERHEAD_WARN}x the minimum {min_bytes}")
@@ -295,7 +299,14 @@ def check_final_state_rates(report: Report, params: VerifyParams) -> None:
     if not ref_acc:
         return
     floor = params.min_accuracy_ratio * ref_acc
+    positions = report.summary.get("per_shard_positions", {})
+    too_few = []
     for name, acc in report.summary.get("per_shard_next_token_acc", {}).items():
+        if ref_acc * positions.get(name, 0) < MIN_EXPECTED_HITS:
+            # a near-random target (random weights: ~1/vocab) expects too few correct tokens in a
+            # shard for a rate to mean anything: 0 of 500 against 1 of 1000 is not a fault
+            too_few.append(name)
+            continue
         if acc == acc and acc < floor:  # NaN-safe
             report.fail(
                 "final_state",
@@ -304,6 +315,13 @@ def check_final_state_rates(report: Report, params: VerifyParams) -> None:
                 shard=name,
                 layer=report.summary.get("final_layer_id"),
             )
+    if too_few:
+        report.warn(
+            "final_state",
+            f"next-token accuracy not compared on {len(too_few)} shard(s): at the reference forward's accuracy "
+            f"({ref_acc:.4f}) each expects fewer than {MIN_EXPECTED_HITS} correct tokens (near-random target?); "
+            "the argmax agreement with the reference still checks the final state",
+        )
 
 
 # ---------------------------------------------------------------- reference agreement
@@ -323,7 +341,8 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
     low_precision = ReferenceModel.load(target.path, meta["dtype"], target.trust_remote_code) if calibrate else None
 
     per_layer: dict[int, list[agreement.Closeness]] = defaultdict(list)
-    per_layer_cal: dict[int, list[float]] = defaultdict(list)
+    pooled: dict[int, agreement.PooledError] = defaultdict(agreement.PooledError)
+    pooled_cal: dict[int, agreement.PooledError] = defaultdict(agreement.PooledError)
     identity_sum = None
     shift_sum: dict[int, dict[int, float]] = defaultdict(lambda: defaultdict(float))
     agree = agree_n = ref_hits = ref_n = cal_agree = 0
@@ -347,8 +366,9 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
             if lid > num_layers:
                 continue
             per_layer[lid].append(agreement.closeness(hs[:, i], ref[lid]))
+            pooled[lid].add(hs[:, i], ref[lid])
             if cal_states is not None:
-                per_layer_cal[lid].append(agreement.rel_error(cal_states[lid], ref[lid]))
+                pooled_cal[lid].add(cal_states[lid], ref[lid])
             for s, e in agreement.shift_errors(hs[:, i], ref[lid]).items():
                 shift_sum[lid][s] += e
         positions = mask[:-1].bool().nonzero().squeeze(-1)
@@ -374,7 +394,12 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
             "layer_id": lid,
             "max_abs_error": max(r.max_abs_error for r in rows),
             "ref_abs_max": max(r.ref_abs_max for r in rows),
-            "rel_rms_error": max(r.rel_rms_error for r in rows),
+            # over all reference tokens pooled (agreement.PooledError: robust to MoE routing flips)
+            "rel_rms_error": pooled[lid].rel_rms,
+            "rel_rms_error_worst_sample": max(r.rel_rms_error for r in rows),
+            "token_rel_error_p50": pooled[lid].quantile(0.5),
+            "token_rel_error_p99": pooled[lid].quantile(0.99),
+            "token_rel_error_max": pooled[lid].quantile(1.0),
             "cosine_mean": sum(r.cosine_mean for r in rows) / len(rows),
             "cosine_min": min(r.cosine_min for r in rows),
             "closest_reference": columns[int(identity[i].argmin())],
@@ -382,7 +407,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
             "shift_rel_error_0": shift_sum[lid][0] / len(rows),
             "shift_rel_error_+1": shift_sum[lid][1] / len(rows),
         }
-        check_layer_tolerance(report, params, meta["dtype"], row, per_layer_cal.get(lid))
+        check_layer_tolerance(report, params, meta["dtype"], row, pooled_cal.get(lid))
         check_identity(report, lid, row["closest_reference"], num_layers)
         check_shift(report, lid, shift_sum[lid])
         report.layer_rows.append(row)
@@ -411,7 +436,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
         )
 
 
-def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row: dict, calibration: list[float] | None) -> None:
+def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row: dict, calibration: agreement.PooledError | None) -> None:
     lid = row["layer_id"]
     if dtype == "float32":
         allowed = params.fp32_max_abs_error * max(1.0, row["ref_abs_max"])
@@ -423,16 +448,24 @@ def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row:
                 layer=lid,
             )
         return
-    # low precision: as close to the fp32 reference as an independent reference in the same dtype
-    cal = max(max(calibration or [0.0]), BF16_REL_FLOOR)
+    # low precision: as close to the fp32 reference as an independent reference in the same dtype,
+    # both pooled over all reference tokens, so that the MoE routing flips bf16 rounding causes in
+    # either forward count as much as they weigh (docs/FORMAT.md, "How verify judges closeness")
+    cal = max(calibration.rel_rms if calibration else 0.0, BF16_REL_FLOOR)
     allowed = params.bf16_error_ratio * cal
     row["calibration_rel_rms_error"] = cal
+    if calibration:
+        row["calibration_token_rel_error_p50"] = calibration.quantile(0.5)
+        row["calibration_token_rel_error_p99"] = calibration.quantile(0.99)
+        row["calibration_token_rel_error_max"] = calibration.quantile(1.0)
     row["allowed"] = allowed
     if row["rel_rms_error"] > allowed:
         report.fail(
             "reference",
-            f"relative error {row['rel_rms_error']:.3g} vs the fp32 reference is over {params.bf16_error_ratio}x that of an "
-            f"independent {dtype} reference ({cal:.3g}); cosine mean {row['cosine_mean']:.4f}",
+            f"relative error {row['rel_rms_error']:.3g} vs the fp32 reference (pooled over all reference tokens) is over "
+            f"{params.bf16_error_ratio}x that of an independent {dtype} reference ({cal:.3g}); median token error "
+            f"{row['token_rel_error_p50']:.3g} vs {row.get('calibration_token_rel_error_p50', float('nan')):.3g}; "
+            f"cosine mean {row['cosine_mean']:.4f}",
             layer=lid,
         )
 
@@ -478,7 +511,7 @@ def write_outputs(report: Report, meta: dict) -> None:
         "num_warnings": sum(f.severity == "warn" for f in report.findings),
         "layer_ids": meta["layer_ids"],
         "dtype": meta["dtype"],
-        **{k: v for k, v in report.summary.items() if k != "per_shard_next_token_acc"},
+        **{k: v for k, v in report.summary.items() if k not in ("per_shard_next_token_acc", "per_shard_positions")},
         "layers": {str(r["layer_id"]): {k: v for k, v in r.items() if k != "layer_id"} for r in report.layer_rows},
     }
     atomic_write_text(METRICS / "verify.json", json.dumps(metrics, indent=1, sort_keys=True) + "\n")
@@ -563,7 +596,7 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out += [
             "## Per layer, against the reference forward",
             "",
-            "| layer id | max abs error | allowed | rel. RMS error | cosine mean | cosine min | closest reference state | error at t-1 / t / t+1 |",
+            "| layer id | max abs error | allowed | rel. RMS error (pooled) | cosine mean | cosine min | closest reference state | error at t-1 / t / t+1 |",
             "| --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in report.layer_rows:
