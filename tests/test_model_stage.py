@@ -108,3 +108,23 @@ def test_embedded_model_builds_and_loads(tmp_path, monkeypatch):
                                      return_tensors="pt", return_dict=True)
     out = lm.generate(**prompt, max_new_tokens=3, do_sample=False)
     assert out.shape[1] == prompt["input_ids"].shape[1] + 3 or out[0, -1] == tok.eos_token_id
+
+
+def test_embedded_deepseek_v3_builds_with_the_keys_vllm_needs(tmp_path, monkeypatch):
+    from pipeline.params import DeepseekV3Params
+
+    monkeypatch.chdir(tmp_path)
+    tiny = EmbeddedModelParams(architecture="deepseek_v3", num_layers=4, hidden_size=32, num_heads=2, intermediate_size=64,
+                               vocab_size=300, train_steps=3, train_batch_size=2, train_seq_len=32,
+                               deepseek_v3=DeepseekV3Params(n_routed_experts=4, moe_intermediate_size=16, q_lora_rank=16))
+    model.run(ModelParams(embedded=tiny))
+
+    config = json.loads((MODEL_DIR / "config.json").read_text())
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["torch_dtype"] == "float32"
+    assert config["topk_method"] == "noaux_tc" and config["scoring_func"] == "sigmoid"  # else vLLM fails to load it
+    assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
+    assert (config["n_routed_experts"], config["num_experts_per_tok"], config["n_shared_experts"]) == (4, 2, 1)
+    m = json.loads((tmp_path / "metrics" / "model.json").read_text())
+    assert m["architecture"] == "deepseek_v3" and m["steps"] == 3
+    lm = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    assert type(lm).__name__ == "DeepseekV3ForCausalLM" and load_target().num_layers == 4

@@ -92,3 +92,44 @@ def test_missing_dataset_fails_with_path(tmp_path):
     )
     assert proc.returncode == 1
     assert "data.path" in proc.stderr and "missing.jsonl" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize(
+    "embedded, words",
+    [
+        ({"architecture": "mamba"}, ["model.embedded.architecture", "llama", "deepseek_v3"]),
+        ({"architecture": "deepseek_v3", "deepseek_v3": {"kv_lora_rank": 500}},
+         ["model.embedded.deepseek_v3.kv_lora_rank + qk_rope_head_dim = 564", "[320, 512, 576]", "kv_lora_rank 512"]),
+        ({"architecture": "deepseek_v3", "deepseek_v3": {"num_experts_per_tok": 9}},
+         ["model.embedded.deepseek_v3.num_experts_per_tok (9)", "n_routed_experts (8)"]),
+        ({"architecture": "deepseek_v3", "deepseek_v3": {"first_k_dense_replace": 8}},
+         ["model.embedded.deepseek_v3.first_k_dense_replace (8)", "num_layers (8)"]),
+        ({"deepseek_v3": {"n_experts": 4}}, ["model.embedded.deepseek_v3.n_experts", "unknown key"]),
+    ],
+)
+def test_deepseek_v3_embedded_params(tmp_path, embedded, words):
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    for key, value in embedded.items():
+        if isinstance(value, dict):
+            params["model"]["embedded"][key].update(value)
+        else:
+            params["model"]["embedded"][key] = value
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    with pytest.raises(ParamsError) as err:
+        load_params(path)
+    for word in words:
+        assert word in str(err.value), str(err.value)
+
+
+def test_deepseek_v3_is_selectable_and_llama_stays_the_default(tmp_path):
+    assert load_params(ROOT / "params.yaml").model.embedded.architecture == "llama"
+    params = yaml.safe_load((ROOT / "params.yaml").read_text())
+    params["model"]["embedded"]["architecture"] = "deepseek_v3"
+    path = tmp_path / "params.yaml"
+    path.write_text(yaml.safe_dump(params))
+    ds = load_params(path).model.embedded
+    assert ds.architecture == "deepseek_v3" and ds.deepseek_v3.kv_lora_rank + ds.deepseek_v3.qk_rope_head_dim == 576
+    params["model"]["embedded"]["deepseek_v3"]["kv_lora_rank"] = 256  # 256 + 64 = 320: also a head size vLLM runs
+    path.write_text(yaml.safe_dump(params))
+    assert load_params(path).model.embedded.deepseek_v3.kv_lora_rank == 256

@@ -12,12 +12,13 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
-from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.embedded.tokenizer import save_tokenizer
 from pipeline.params import EmbeddedModelParams
@@ -70,7 +71,7 @@ def training_threads() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def train(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor,
+def train(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor,
           p: EmbeddedModelParams) -> list[float]:
     torch.set_num_threads(training_threads())
     T = p.train_seq_len
@@ -102,10 +103,16 @@ def train(model: LlamaForCausalLM, ids: torch.Tensor, mask: torch.Tensor, starts
     return losses
 
 
-def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: list[dict], out: Path) -> dict:
-    """Train the tiny target and save it (weights, config, generation config, tokenizer) into `out`."""
+def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: list[dict], out: Path,
+          make_model: Callable[[EmbeddedModelParams, PreTrainedTokenizerBase], PreTrainedModel] = build_model,
+          extra_config: dict | None = None) -> dict:
+    """Train the tiny target and save it (weights, config, generation config, tokenizer) into `out`.
+
+    `make_model` builds the untrained model (this module's Llama by default; tiny_deepseek_v3 passes
+    its own); `extra_config` adds keys to the saved config.json that transformers does not write.
+    """
     t0 = time.time()
-    model = build_model(p, tok)
+    model = make_model(p, tok)
     ids, mask, starts = encode(tok, conversations)
     losses = train(model, ids, mask, starts, p)
     train_s = time.time() - t0
@@ -116,7 +123,8 @@ def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: l
     save_tokenizer(tok, out)
     # transformers 5 writes `dtype`; older readers (and most hub configs) use `torch_dtype`
     config = json.loads((out / "config.json").read_text())
-    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": "float32"}, indent=2, sort_keys=True) + "\n")
+    config = {**config, "torch_dtype": "float32", **(extra_config or {})}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tail = losses[-10:]
     return {
         "parameters": sum(t.numel() for t in model.parameters()),

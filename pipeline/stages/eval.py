@@ -55,7 +55,12 @@ def engine_main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    from pipeline.vllm_compat import cpu_mla_overrides
+
+    # an MLA (DeepSeek-V3-shaped) target on CPU: the exact rotary, and a step budget that fits a whole prompt
+    mla = cpu_mla_overrides(Path(spec["target"]), spec["max_model_len"], None, "eval")
     llm = LLM(
+        **mla,
         model=spec["target"],
         speculative_config=spec["speculative_config"],
         enforce_eager=True,

@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from pipeline.atomic import atomic_dir, atomic_write_text
-from pipeline.embedded import corpus, tiny_llama
+from pipeline.embedded import corpus, tiny_deepseek_v3, tiny_llama
 from pipeline.embedded.tokenizer import corpus_texts, train_tokenizer
 from pipeline.layout import METRICS, MODEL_DIR, TARGET_JSON
 from pipeline.params import ModelParams
@@ -32,10 +32,11 @@ def build_embedded(params: ModelParams) -> dict:
     conversations = corpus.generate()
     tok = train_tokenizer(corpus_texts(conversations), params.embedded.vocab_size)
     with atomic_dir(MODEL_DIR) as tmp:
-        metrics = tiny_llama.build(params.embedded, tok, conversations, tmp)
+        builder = tiny_deepseek_v3 if params.embedded.architecture == "deepseek_v3" else tiny_llama
+        metrics = builder.build(params.embedded, tok, conversations, tmp)
     # target.json lives inside MODEL_DIR, which atomic_dir just replaced: write it after the rename
     write_target(Target(path=MODEL_DIR, embedded=True, fingerprint=fingerprint_model_dir(MODEL_DIR)))
-    return metrics
+    return {"architecture": params.embedded.architecture, **metrics}
 
 
 def resolve_local(params: ModelParams) -> dict:
