@@ -263,6 +263,10 @@ def test_no_unsafe_deserialization_in_the_pipeline() -> None:
     assert not bad, bad
 
 
+# the vllm_compat builders of LLM(...) arguments: each takes trust_remote_code (tested below)
+ENGINE_KWARGS = ("engine_kwargs(", "vllm_compat.engine_kwargs(", "generation_kwargs(", "vllm_compat.generation_kwargs(")
+
+
 def test_trust_remote_code_comes_from_the_target_only() -> None:
     """Every from_pretrained / LLM( call in pipeline/ passes trust_remote_code, never a literal True;
     the only `**` spread into LLM is engine_kwargs (tested below)."""
@@ -278,7 +282,7 @@ def test_trust_remote_code_comes_from_the_target_only() -> None:
                 v = kw["trust_remote_code"]
                 if isinstance(v, ast.Constant) and v.value is True:
                     bad.append(f"{where}: trust_remote_code=True hard-coded")
-            elif not (name == "LLM" and spread and all(s.startswith("engine_kwargs(") for s in spread)):
+            elif not (name == "LLM" and spread and all(s.startswith(ENGINE_KWARGS) for s in spread)):
                 bad.append(f"{where}: {name}(...) without trust_remote_code")
     assert not bad, bad
 
@@ -286,7 +290,7 @@ def test_trust_remote_code_comes_from_the_target_only() -> None:
 def test_trust_remote_code_is_off_by_default(tmp_path: Path) -> None:
     from pipeline.params import ModelParams
     from pipeline.target import Target
-    from pipeline.vllm_compat import engine_kwargs
+    from pipeline.vllm_compat import engine_kwargs, generation_kwargs
 
     assert ModelParams().trust_remote_code is False
     assert Target(path=tmp_path, embedded=False, fingerprint={}).trust_remote_code is False
@@ -294,4 +298,7 @@ def test_trust_remote_code_is_off_by_default(tmp_path: Path) -> None:
     args = dict(model=tmp_path, layer_ids=[1, 2], scratch_dir=tmp_path / "s", dtype="float32", max_model_len=64,
                 max_num_seqs=2, max_num_batched_tokens=64)
     assert engine_kwargs(**args)["trust_remote_code"] is False
+    gen = dict(model=tmp_path, dtype="float32", max_model_len=64, max_num_seqs=2)
+    assert generation_kwargs(**gen)["trust_remote_code"] is False
+    assert generation_kwargs(**gen, trust_remote_code=True)["trust_remote_code"] is True
     assert engine_kwargs(**args, trust_remote_code=True)["trust_remote_code"] is True

@@ -84,12 +84,16 @@ def _install_kill_hook() -> None:
         return
     save_file, write_text = shards.save_file, shards.atomic_write_text
 
+    def in_output(path) -> bool:  # not the sample shard pipeline/plan.py writes to a temp dir
+        return Path(path).resolve().parent == HIDDEN_STATES_DIR.resolve()
+
     def hooked_save_file(tensors, path, metadata=None):
         save_file(tensors, path, metadata=metadata)
-        _kill_point("shard_tmp_written", before=lambda: os.truncate(path, os.path.getsize(path) // 2))
+        if in_output(path):
+            _kill_point("shard_tmp_written", before=lambda: os.truncate(path, os.path.getsize(path) // 2))
 
     def hooked_write_text(final, text):
-        if Path(final).name.startswith("shard-"):
+        if Path(final).name.startswith("shard-") and in_output(final):
             _kill_point("shard_data_renamed")
         write_text(final, text)
 
