@@ -962,13 +962,26 @@ def job_hf(state: dict, name: str) -> dict:
     return {"summary": summary}
 
 
+def _run_verify(proj: Path) -> tuple[str | None, float]:
+    """The verify stage with default params in project `proj`: (failure message or None, seconds)."""
+    from pipeline.params import VerifyParams
+    from pipeline.stages import verify
+
+    t = time.monotonic()
+    with contextlib.chdir(proj):
+        try:
+            verify.run(VerifyParams())
+        except verify.VerifyFailed as e:
+            return str(e), time.monotonic() - t
+    return None, time.monotonic() - t
+
+
 def job_verify(state: dict, name: str) -> dict:
     """The project's verify stage on the first two shards (both prompt lengths), on the GPU."""
     import datasets
     import torch
 
     from pipeline import layout, reference, shards
-    from pipeline.params import VerifyParams
     from pipeline.stages import verify
 
     src = Path(state[f"project_{name}"])
@@ -1020,14 +1033,7 @@ def job_verify(state: dict, name: str) -> dict:
         return r
 
     verify.check_structure_and_values = struct
-    t = time.monotonic()
-    failed = None
-    with contextlib.chdir(proj):
-        try:
-            verify.run(VerifyParams())
-        except verify.VerifyFailed as e:
-            failed = str(e)
-    verify_s = time.monotonic() - t
+    failed, verify_s = _run_verify(proj)
     metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
     report_md = (proj / "reports/verify/report.md").read_text()
     findings = json.loads((proj / "reports/verify/findings.json").read_text())
@@ -1073,12 +1079,10 @@ def job_verify_all(state: dict, name: str) -> dict:
     """The verify stage as a user runs it (default params): every shard of the stage's extraction,
     timed against that extraction (issue 4's budget: verify <= 5% of extraction time)."""
     from pipeline import layout
-    from pipeline.params import VerifyParams
     from pipeline.stages import verify
 
     proj = Path(state[f"project_{name}"])
     timings = {}
-    wrapped = {}
     for fn in ("check_structure_and_values", "check_reference"):
         orig = getattr(verify, fn)
 
@@ -1088,16 +1092,8 @@ def job_verify_all(state: dict, name: str) -> dict:
             timings[f"{_fn}_s"] = round(time.monotonic() - t, 2)
             return r
 
-        wrapped[fn] = orig
         setattr(verify, fn, timed)
-    t = time.monotonic()
-    failed = None
-    with contextlib.chdir(proj):
-        try:
-            verify.run(VerifyParams())
-        except verify.VerifyFailed as e:
-            failed = str(e)
-    verify_s = time.monotonic() - t
+    failed, verify_s = _run_verify(proj)
     metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
     extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
     (Path(state["out"]) / f"verifyall_{name}_report.md").write_text((proj / "reports/verify/report.md").read_text())

