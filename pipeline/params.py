@@ -208,6 +208,15 @@ class VerifyParams(_Section):
     argmax_disagreement_ratio: float = Field(2.0, gt=0, description="bf16/fp16: argmax disagreement with the fp32 reference may be this many times an independent same-dtype reference's.")
     min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
     workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 32.")
+    audit_fraction: float = Field(
+        0.02, ge=0, le=1,
+        description="Share of shards (seeded) read in full: sha256 and per-layer statistics re-derived from the bytes and "
+        "compared with the manifest's record; 1 = every shard.",
+    )
+    audit_min_shards: int = Field(2, ge=0, description="Audit at least this many shards (all if there are fewer).")
+    hash_all_shards: bool = Field(
+        False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; docs/BENCHMARKS.md for the cost)."
+    )
 
 
 class TrainParams(_Section):

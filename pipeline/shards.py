@@ -7,7 +7,8 @@ A shard is one safetensors file holding `samples_per_shard` samples, each as thr
     "{sample_id}/loss_mask"      [T]        uint8 (0/1)
 
 plus a JSON manifest beside it (`shard-NNNNN.json`) that is written *after* the data file, so a
-manifest on disk means its shard is complete. The run-level `extract_meta.json` records what
+manifest on disk means its shard is complete. The manifest records each sample's per-layer
+statistics (pipeline/shard_stats.py), computed from the tensors as they are written. The run-level `extract_meta.json` records what
 the shards are of (model, data, layer ids and their convention) so stale shards are never
 mixed into a resumed run.
 """
@@ -20,10 +21,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from pipeline import shard_stats
 from pipeline.atomic import atomic_path, atomic_write_text
 from pipeline.target import sha256_file
 
@@ -42,6 +45,7 @@ class Sample:
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] 0/1
     hidden_states: torch.Tensor  # [T, L, H]
+    stats: np.ndarray | None = None  # [L, 4] shard_stats.FIELDS; computed on write when None
 
 
 def shard_name(index: int) -> str:
@@ -73,6 +77,15 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
         "sha256": sha256_file(path),
         "sample_ids": [s.sample_id for s in samples],
         "num_tokens": [int(s.input_ids.numel()) for s in samples],
+        # recorded from the tensors just written: verify judges these and re-derives them from
+        # the bytes on an audit sample (docs/FORMAT.md, "Recorded statistics")
+        "layer_stats": {
+            "fields": list(shard_stats.FIELDS),
+            "samples": {
+                str(s.sample_id): shard_stats.to_record(s.stats if s.stats is not None else shard_stats.sample_stats(s.hidden_states))
+                for s in samples
+            },
+        },
         **manifest_extra,
     }
     atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
@@ -98,6 +111,33 @@ def canonical_header(path: Path) -> None:
             raise RuntimeError(f"{path}: canonical safetensors header is {len(new)} bytes, more than the {n} written")
         f.seek(8)
         f.write(new.ljust(n, b" "))
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors file's header (tensor name -> dtype, shape, data_offsets) and where its data
+    starts; raises ValueError when the header itself is unreadable or points past the file."""
+    size = Path(path).stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{size} bytes: shorter than a safetensors header")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"header length {n} is past the end of the {size}-byte file")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"header is not JSON: {e}") from None
+    header.pop("__metadata__", None)
+    data_start = 8 + n
+    for name, entry in header.items():
+        begin, end = entry["data_offsets"]
+        if data_start + end > size:
+            raise ValueError(f"tensor {name!r} ends at byte {data_start + end}, past the end of the {size}-byte file")
+    return header, data_start
 
 
 def read_manifest(shard_path: Path) -> dict:

@@ -1,10 +1,17 @@
-"""The per-shard pass of verify: structure, values and final-state hits of one shard, read once.
+"""The per-shard pass of verify: structure, recorded values and final-state hits of one shard.
 
-Every shard is independent, so `scan_shards` runs them in a thread pool (sha256, safetensors reads
-and torch kernels release the GIL) and hands back one `ShardScan` per shard in shard order; the
-verify stage merges them (duplicates across shards, missing samples, outlier shards). The common,
-clean path does a few whole-sample reductions per sample and one lm_head pass per shard; the
-per-layer detail is worked out only for a sample that is already known to be bad.
+Every shard is independent, so `scan_shards` runs them in a thread pool (sha256, numpy copies out
+of memory maps and torch kernels release the GIL) and hands back one `ShardScan` per shard in
+shard order; the verify stage merges them (duplicates across shards, missing samples, outlier
+shards).
+
+What is read of a shard: its manifest, its safetensors header (names, dtypes, shapes, offsets),
+every sample's token ids and loss mask, and the final layer's rows at the masked positions (for
+the final-state check). The per-layer statistics come from the manifest, where the extractor
+recorded them from the tensors it wrote. An audited shard (a seeded sample, `verify.audit_*`, and
+any shard without records) is read in full instead: its sha256 is re-computed and its statistics
+re-derived from the bytes and compared with the record. Per-layer detail (which layer is NaN, all
+zeros) is worked out only for a sample already known bad.
 """
 
 from __future__ import annotations
@@ -14,13 +21,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
+from pipeline import shard_stats
 from pipeline.reference import ReferenceModel
-from pipeline.shards import FORMAT_NAME, manifest_path, read_manifest
+from pipeline.shards import FORMAT_NAME, SAFETENSORS_DTYPES, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
+
+# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/shard_stats.py)
+_NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8}
 
 
 @dataclass
@@ -46,6 +57,8 @@ class ScanContext:
     dtype: torch.dtype
     prepared: object  # datasets.Dataset in torch format (input_ids, loss_mask)
     reference: ReferenceModel
+    audit: frozenset[str] = frozenset()  # shard names read in full: sha256 and statistics re-derived
+    hash_all: bool = False  # re-hash every shard, not only the audited ones
 
 
 @dataclass
@@ -59,7 +72,9 @@ class ShardScan:
     counted: int = 0
     tokens: int = 0
     bytes: int = 0
-    read_ok: bool = False  # manifest, hash and key set were fine
+    read_ok: bool = False  # manifest, size and key set were fine
+    audited: bool = False  # read in full: statistics re-derived from the bytes
+    hashed: bool = False  # sha256 re-computed and equal to the manifest's
 
     def fail(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, shard=self.name, **where))
@@ -89,35 +104,71 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
     if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(ctx.layer_ids):
         scan.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {ctx.layer_ids}")
     size = path.stat().st_size
-    if size != manifest["bytes"] or sha256_file(path) != manifest["sha256"]:
-        scan.fail("structure", f"file content does not match its manifest sha256/size ({size} vs {manifest['bytes']} bytes): corrupt or truncated")
+    if size != manifest["bytes"]:
+        scan.fail("structure", f"file is {size} bytes, its manifest says {manifest['bytes']}: truncated or corrupt")
         return scan
+    records = (manifest.get("layer_stats") or {}).get("samples")
+    scan.audited = path.stem in ctx.audit or records is None
+    if scan.audited or ctx.hash_all:
+        if sha256_file(path) != manifest["sha256"]:
+            scan.fail("structure", "file content does not match its manifest sha256: corrupt, or changed after extraction")
+            return scan
+        scan.hashed = True
     scan.bytes = size
     sample_ids = list(manifest["sample_ids"])
-    expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
     try:
-        handle = safe_open(str(path), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for a bad header
+        header, data_start = read_header(path)
+    except (ValueError, KeyError, TypeError) as e:
         scan.fail("structure", f"unreadable safetensors file: {e}")
         return scan
-    with handle as f:
-        keys = set(f.keys())
-        if keys != expected_keys:
-            extra, missing = sorted(keys - expected_keys), sorted(expected_keys - keys)
-            scan.fail(
-                "structure",
-                f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
-                f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
-            )
-            return scan
-        scan.read_ok = True
-        scan_samples(scan, f, sample_ids, ctx)
+    keys = set(header)
+    expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
+    if keys != expected_keys:
+        extra, missing = sorted(keys - expected_keys), sorted(expected_keys - keys)
+        scan.fail(
+            "structure",
+            f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
+            f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
+        )
+        return scan
+    if unknown := sorted({e["dtype"] for e in header.values()} - set(_NUMPY_VIEW)):
+        scan.fail("structure", f"tensors of dtype {unknown}: not one this format uses")
+        return scan
+    scan.read_ok = True
+    data = np.memmap(path, dtype=np.uint8, mode="r")  # pages are read only where a view is used
+    shard = _ShardView(data, header, data_start)
+    scan_samples(scan, shard, sample_ids, records or {}, ctx)
     return scan
 
 
-def scan_samples(scan: ShardScan, f, sample_ids: list[int], ctx: ScanContext) -> None:
+class _ShardView:
+    """Tensors of a memory-mapped safetensors file as numpy views (nothing read until indexed)."""
+
+    def __init__(self, data: np.ndarray, header: dict, data_start: int) -> None:
+        self.data, self.header, self.data_start = data, header, data_start
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.header[name]["shape"])
+
+    def dtype(self, name: str) -> torch.dtype:
+        return SAFETENSORS_DTYPES[self.header[name]["dtype"]]
+
+    def numpy(self, name: str) -> np.ndarray:
+        entry = self.header[name]
+        begin, end = entry["data_offsets"]
+        raw = self.data[self.data_start + begin : self.data_start + end]
+        return raw.view(_NUMPY_VIEW[entry["dtype"]]).reshape(entry["shape"])
+
+    def tensor(self, name: str, rows=None) -> torch.Tensor:
+        """A copy as a torch tensor (`rows`: only those indices of the first dimension)."""
+        view = self.numpy(name)
+        out = torch.from_numpy(np.array(view if rows is None else view[rows]))
+        return out.view(torch.bfloat16) if self.header[name]["dtype"] == "BF16" else out
+
+
+def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
     num_layers = len(ctx.layer_ids)
-    sums = torch.zeros(num_layers, 4, dtype=torch.float64)  # sum, sum of squares, abs max, count
+    sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     final_states, next_ids = [], []
     in_shard: set[int] = set()
     for sid in sample_ids:
@@ -129,58 +180,71 @@ def scan_samples(scan: ShardScan, f, sample_ids: list[int], ctx: ScanContext) ->
         if not 0 <= sid < len(ctx.prepared):
             scan.fail("structure", f"sample id not in the prepared dataset (0..{len(ctx.prepared) - 1})", sample=sid)
             continue
-        hs = f.get_tensor(f"{sid}/hidden_states")
-        ids = f.get_tensor(f"{sid}/input_ids")
-        mask = f.get_tensor(f"{sid}/loss_mask")
-        if not check_sample_structure(scan, sid, hs, ids, mask, ctx):
+        name = f"{sid}/hidden_states"
+        ids = shard.tensor(f"{sid}/input_ids")
+        mask = shard.tensor(f"{sid}/loss_mask")
+        if not check_sample_structure(scan, sid, shard.shape(name), shard.dtype(name), ids, mask, ctx):
             continue
-        hsf = hs.to(ctx.reference.device).float()  # the reductions run on the GPU when there is one
-        layer_max = hsf.amax(dim=(0, 2))
-        layer_min = hsf.amin(dim=(0, 2))
-        abs_max = torch.maximum(layer_max, -layer_min)
-        # NaN propagates through amax/amin and Inf shows in abs_max: one check covers both, and the
-        # per-layer detail is only computed for a sample that fails it
-        constant = hsf.shape[0] * hsf.shape[2] > 1 and bool((layer_max == layer_min).any())
-        if not bool(torch.isfinite(abs_max).all()) or constant:
-            report_bad_values(scan, sid, hs, ctx.layer_ids)
+        T, _, H = shard.shape(name)
+        hs = shard.numpy(name)
+        recorded = records.get(str(sid))
+        if scan.audited:
+            stats = shard_stats.sample_stats(hs)  # reads the sample's every byte
+            if recorded is not None and (bad := shard_stats.records_agree(recorded, stats, T * H)):
+                scan.fail(
+                    "structure",
+                    f"the manifest's recorded statistics differ from the bytes at layer(s) {[ctx.layer_ids[i] for i in bad]} "
+                    f"(recorded {np.asarray(recorded)[bad[0]].tolist()}, derived {stats[bad[0]].tolist()}): "
+                    "the extractor's record is wrong or the file changed after it was written",
+                    sample=sid,
+                )
+        elif recorded is None:
+            scan.fail("structure", "the manifest has no recorded statistics for this sample", sample=sid)
             continue
-        sums[:, 0] += hsf.sum(dim=(0, 2), dtype=torch.float64).cpu()
-        sums[:, 1] += hsf.square().sum(dim=(0, 2), dtype=torch.float64).cpu()
-        sums[:, 2] = torch.maximum(sums[:, 2], abs_max.double().cpu())
-        sums[:, 3] += hsf.shape[0] * hsf.shape[2]
-        scan.tokens += ids.numel()
+        else:
+            stats = np.asarray(recorded, dtype=np.float64)
+        lo, hi = stats[:, 2], stats[:, 3]
+        if not (np.isfinite(lo).all() and np.isfinite(hi).all()) or (T * H > 1 and (lo == hi).any()):
+            report_bad_values(scan, sid, shard.tensor(name), ctx.layer_ids)
+            continue
+        sums[:, 0] += stats[:, 0]
+        sums[:, 1] += stats[:, 1]
+        sums[:, 2] = np.maximum(sums[:, 2], np.maximum(-lo, hi))
+        sums[:, 3] += T * H
+        scan.tokens += T
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
-            final_states.append(hs[positions, -1])
+            # the final layer's rows at the masked positions only: 1/L of those rows' bytes
+            final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
             next_ids.append(ids[positions + 1])
     if final_states:  # one lm_head pass for the shard
         pred = ctx.reference.final_logits(torch.cat(final_states)).argmax(-1).cpu()
         targets = torch.cat(next_ids)
-        scan.hits, scan.counted = int((pred == targets).sum()), int(targets.numel())
-    count = sums[:, 3].clamp_min(1)
+        scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
+    count = np.maximum(sums[:, 3], 1)
     mean = sums[:, 0] / count
-    rms = (sums[:, 1] / count).sqrt()
+    rms = np.sqrt(sums[:, 1] / count)
     scan.stats = {
         str(lid): {
-            "mean": mean[i].item(),
-            "std": (rms[i] ** 2 - mean[i] ** 2).clamp_min(0).sqrt().item(),
-            "abs_max": sums[i, 2].item(),
-            "rms": rms[i].item(),
+            "mean": float(mean[i]),
+            "std": float(np.sqrt(max(rms[i] ** 2 - mean[i] ** 2, 0.0))),
+            "abs_max": float(sums[i, 2]),
+            "rms": float(rms[i]),
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
 
 
-def check_sample_structure(scan: ShardScan, sid: int, hs, ids, mask, ctx: ScanContext) -> bool:
+def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:
     row = ctx.prepared[sid]
     want_ids, want_mask = row["input_ids"], row["loss_mask"]
     T, L, H = len(want_ids), len(ctx.layer_ids), ctx.hidden_size
-    if hs.dim() != 3 or tuple(hs.shape) != (T, L, H):
-        scan.fail("structure", f"hidden_states shape {list(hs.shape)}, expected [T={T}, L={L}, H={H}]", sample=sid)
+    if tuple(shape) != (T, L, H):
+        scan.fail("structure", f"hidden_states shape {list(shape)}, expected [T={T}, L={L}, H={H}]", sample=sid)
         return False
     ok = True
-    if hs.dtype != ctx.dtype:
-        scan.fail("structure", f"hidden_states dtype {hs.dtype}, the run declares {ctx.dtype}", sample=sid)
+    if dtype != ctx.dtype:
+        scan.fail("structure", f"hidden_states dtype {dtype}, the run declares {ctx.dtype}", sample=sid)
         ok = False
     if ids.shape != want_ids.shape or not torch.equal(ids.long(), want_ids.long()):
         scan.fail("structure", "input_ids differ from the prepared dataset's", sample=sid)

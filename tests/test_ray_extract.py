@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -169,7 +170,7 @@ def test_no_cluster_is_a_clear_error(tmp_path: Path):
         "from pipeline import ray_extract\nfrom pipeline.params import ExtractParams\n"
         "with ray_extract.connect(ExtractParams(engine='ray', ray_address='127.0.0.1:1')):\n    pass\n"
     )
-    r = subprocess.run(["python", "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)
     assert r.returncode != 0 and "extract.ray_address='127.0.0.1:1'" in r.stderr and "ray start --head" in r.stderr, r.stderr
 
 

@@ -11,15 +11,21 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import layout
+from pipeline import layout, shard_stats
 from pipeline.errors import PipelineError
+from pipeline.params import VerifyParams
 from pipeline.reference import ReferenceModel
 from pipeline.shards import complete_shards, manifest_path, read_meta, write_meta
+from pipeline.stages.verify import audit_selection
 from pipeline.target import load_target, sha256_file
 from tests.conftest import build_tiny_llama, copy_project, run_stage
 
 pytestmark = pytest.mark.slow
 VERIFY = {"reference_samples": 4}
+# how values are judged: from the manifests' records only (no shard read in full), or every shard
+# re-derived from its bytes; a planted fault must be caught with the same message either way
+RECORDS_ONLY = {"audit_fraction": 0.0, "audit_min_shards": 0}
+AUDIT_ALL = {"audit_fraction": 1.0}
 
 
 @pytest.fixture
@@ -28,14 +34,14 @@ def project(extracted: Path, project_root: Path, tmp_path: Path) -> Path:
     return copy_project(project_root, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
 
 
-def verify(root: Path) -> dict:
-    run_stage(root, "verify", **VERIFY)
+def verify(root: Path, **params) -> dict:
+    run_stage(root, "verify", **{**VERIFY, **params})
     return json.loads((root / layout.METRICS / "verify.json").read_text())
 
 
-def verify_fails(root: Path, check: str, *words: str) -> str:
+def verify_fails(root: Path, check: str, *words: str, params: dict | None = None) -> str:
     with pytest.raises(PipelineError) as err:
-        run_stage(root, "verify", **VERIFY)
+        run_stage(root, "verify", **{**VERIFY, **(params or {})})
     message = str(err.value)
     assert f"[{check}]" in message, message
     for word in words:
@@ -51,14 +57,25 @@ def shards(root: Path) -> list[Path]:
 
 
 def rewrite(shard: Path, edit: Callable[[dict[str, torch.Tensor], dict], None]) -> None:
-    """Change a shard's tensors the way a buggy extractor would: content and manifest consistent."""
+    """Change a shard's tensors the way a buggy extractor would: content and manifest consistent
+    (size, sha256, and the per-layer statistics recorded from the tensors it wrote)."""
     tensors = load_file(str(shard))
     manifest = json.loads(manifest_path(shard).read_text())
     edit(tensors, manifest)
     save_file(tensors, str(shard), metadata={"format": manifest["format"]})
     manifest["bytes"] = shard.stat().st_size
     manifest["sha256"] = sha256_file(shard)
+    records = {}
+    for sid in manifest["sample_ids"]:
+        hs = tensors.get(f"{sid}/hidden_states")
+        if hs is not None and hs.dim() == 3:
+            records[str(sid)] = shard_stats.to_record(shard_stats.sample_stats(hs))
+    manifest["layer_stats"]["samples"] = records
     manifest_path(shard).write_text(json.dumps(manifest))
+
+
+def audited(root: Path, **params) -> set[str]:
+    return set(audit_selection([p.stem for p in shards(root)], VerifyParams(**{**VERIFY, **params})))
 
 
 def edit_states(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[dict, dict], None]:
@@ -89,6 +106,49 @@ def test_clean_extraction_passes(project: Path):
     assert metrics["argmax_agreement"] >= 0.99
     report = (project / layout.REPORTS / "verify" / "report.md").read_text()
     assert "PASSED" in report and (project / layout.REPORTS / "verify" / "layer_identity.png").is_file()
+    # only the seeded audit sample is read in full and re-hashed
+    assert set(metrics["audited_shards"]) == audited(project) and 0 < len(audited(project)) < len(shards(project))
+    assert metrics["hashed_shards"] == len(audited(project))
+
+
+def test_clean_extraction_passes_on_records_only_and_every_shard_audited(project: Path):
+    """The records the extractor wrote agree with the bytes (every shard audited), and judged
+    alone (no shard read in full) give the same statistics."""
+    def shard_table() -> str:
+        report = (project / layout.REPORTS / "verify" / "report.md").read_text()
+        return report[report.index("## Per-layer statistics per shard") : report.index("Verify took")]
+
+    full = verify(project, **AUDIT_ALL, hash_all_shards=True)
+    assert full["passed"] and full["hashed_shards"] == len(shards(project)) == len(full["audited_shards"])
+    from_bytes = shard_table()
+    records = verify(project, **RECORDS_ONLY)
+    assert records["passed"] and records["audited_shards"] == [] and records["hashed_shards"] == 0
+    assert shard_table() == from_bytes
+    assert records["final_state_next_token_acc"] == full["final_state_next_token_acc"]
+
+
+def test_shard_without_records_is_read_in_full(project: Path):
+    """Shards written before the extractor recorded statistics are verified from their bytes."""
+    shard = next(p for p in shards(project) if p.stem not in audited(project))
+    m = json.loads(manifest_path(shard).read_text())
+    del m["layer_stats"]
+    manifest_path(shard).write_text(json.dumps(m))
+    metrics = verify(project)
+    assert metrics["passed"] and shard.stem in metrics["audited_shards"]
+
+
+@pytest.mark.parametrize("where", ["audited", "not audited by default, audit_fraction 1"])
+def test_recorded_statistics_differ_from_bytes(project: Path, where: str):
+    """A record that does not describe its shard's bytes is caught where the shard is audited."""
+    if where == "audited":
+        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {}
+    else:  # a wrong record on a shard the audit skips is caught when every shard is audited
+        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), AUDIT_ALL
+    m = json.loads(manifest_path(shard).read_text())
+    sid = m["sample_ids"][0]
+    m["layer_stats"]["samples"][str(sid)][1][3] *= 2  # layer index 1's max
+    manifest_path(shard).write_text(json.dumps(m))
+    verify_fails(project, "structure", "recorded statistics differ from the bytes", shard.stem, params=params)
 
 
 def test_verdict_is_deterministic(project: Path):
@@ -141,40 +201,47 @@ def test_bogus_layout(project: Path, layout_fault: str):
     verify_fails(project, "structure", *words)
 
 
+@pytest.mark.parametrize("judged", [RECORDS_ONLY, AUDIT_ALL], ids=["records", "audit"])
 @pytest.mark.parametrize("value, word", [(float("nan"), "NaN"), (float("inf"), "Inf")])
-def test_non_finite(project: Path, value: float, word: str):
+def test_non_finite(project: Path, value: float, word: str, judged: dict):
     def poison(h):
         h = h.clone()
         h[3, 2, 5] = value
         return h
 
     rewrite(shards(project)[2], edit_states(poison))
-    verify_fails(project, "values", word, "shard-00002")
+    verify_fails(project, "values", word, "shard-00002", "layer=", params=judged)
 
 
-def test_all_zero_layer(project: Path):
+@pytest.mark.parametrize("judged", [RECORDS_ONLY, AUDIT_ALL], ids=["records", "audit"])
+def test_all_zero_layer(project: Path, judged: dict):
     def zero(h):
         h = h.clone()
         h[:, 1] = 0
         return h
 
     rewrite(shards(project)[0], edit_states(zero))
-    verify_fails(project, "values", "all zeros", "layer=")
+    verify_fails(project, "values", "all zeros", "layer=", params=judged)
 
 
-def test_truncated_shard(project: Path):
+@pytest.mark.parametrize("judged", [RECORDS_ONLY, AUDIT_ALL], ids=["records", "audit"])
+def test_truncated_shard(project: Path, judged: dict):
     shard = shards(project)[1]
     data = shard.read_bytes()
     shard.write_bytes(data[: len(data) // 2])
-    verify_fails(project, "structure", "truncated", "shard-00001")
+    verify_fails(project, "structure", "truncated", "shard-00001", params=judged)
 
 
-def test_manifest_hash_mismatch(project: Path):
-    shard = shards(project)[0]
+@pytest.mark.parametrize("where", ["audited", "not audited, hash_all_shards"])
+def test_manifest_hash_mismatch(project: Path, where: str):
+    if where == "audited":
+        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {}
+    else:
+        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), {"hash_all_shards": True}
     m = json.loads(manifest_path(shard).read_text())
     m["sha256"] = "0" * 64
     manifest_path(shard).write_text(json.dumps(m))
-    verify_fails(project, "structure", "sha256")
+    verify_fails(project, "structure", "sha256", shard.stem, params=params)
 
 
 def test_shard_without_manifest(project: Path):

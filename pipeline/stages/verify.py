@@ -1,9 +1,11 @@
 """verify: prove the extracted hidden states are right, not just present.
 
 Checks (docs/ARCHITECTURE.md lists what each catches):
-  structure   every shard: manifest vs file sha256, exact key set, dtype, [T, L, H] shape,
-              token ids and loss mask equal prepare's, sample ids complete and unique
-  values      finite, no all-zero or constant layer, per-layer stats per shard, outlier shards
+  structure   every shard: size against its manifest, safetensors header (exact key set, dtype,
+              [T, L, H] shape), token ids and loss mask equal prepare's, sample ids complete
+              and unique; audited shards (seeded sample): sha256, recorded statistics vs bytes
+  values      from the statistics the extractor recorded per sample and layer: finite, no
+              all-zero or constant layer, per-layer stats per shard, outlier shards
   reference   a seeded subset re-run through transformers: per-layer error and cosine, a
               layer-identity matrix that must peak at the declared id, a +-1 token shift test
   final_state on every masked position: argmax(lm_head(norm(h_N))) against the next token,
@@ -14,7 +16,9 @@ A failed check exits non-zero naming shard, sample, layer and check; no verdict 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import random
 import time
 from collections import defaultdict
@@ -82,7 +86,7 @@ def run(params: VerifyParams) -> None:
     reference = ReferenceModel.load(target.path, "float32", target.trust_remote_code)
 
     workers = params.workers or default_workers()
-    sample_to_shard = check_structure_and_values(report, meta, prepared, reference, target.hidden_size, workers)
+    sample_to_shard = check_structure_and_values(report, params, meta, prepared, reference, target.hidden_size, workers)
     check_reference(report, params, meta, layer_ids, reference, target, sample_to_shard)
     check_final_state_rates(report, params)
     report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
@@ -108,7 +112,26 @@ def run(params: VerifyParams) -> None:
 # ---------------------------------------------------------------- structure, values, final state
 
 
-def check_structure_and_values(report: Report, meta: dict, prepared, reference: ReferenceModel, hidden_size: int, workers: int) -> dict[int, Path]:
+def audit_selection(names: list[str], params: VerifyParams) -> frozenset[str]:
+    """The seeded sample of shards read in full (sha256 and statistics re-derived from the bytes)."""
+    k = min(len(names), max(params.audit_min_shards, math.ceil(params.audit_fraction * len(names))))
+    return frozenset(random.Random(params.seed).sample(sorted(names), k))
+
+
+@contextlib.contextmanager
+def tf32_matmuls():
+    """TF32 for the final-state pass's lm_head on the GPU (~7x an fp32 matmul on an H200): an
+    argmax compared with next tokens at a rate does not need full fp32; the reference forward,
+    whose errors are compared tightly, runs after and without it."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def check_structure_and_values(report: Report, params: VerifyParams, meta: dict, prepared, reference: ReferenceModel, hidden_size: int, workers: int) -> dict[int, Path]:
     layer_ids = meta["layer_ids"]
     dtype = DTYPES[meta["dtype"]]
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -118,8 +141,15 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
         report.fail("structure", "manifest without its shard file", shard=p.stem)
     if not files:
         report.fail("structure", f"no shards in {HIDDEN_STATES_DIR}")
-    context = ScanContext(layer_ids, hidden_size, dtype, prepared.with_format("torch", columns=["input_ids", "loss_mask"]), reference)
-    scans = scan_shards(files, context, workers)
+    audit = audit_selection([p.stem for p in files], params)
+    context = ScanContext(
+        layer_ids, hidden_size, dtype, prepared.with_format("torch", columns=["input_ids", "loss_mask"]), reference,
+        audit=audit, hash_all=params.hash_all_shards,
+    )
+    t0 = time.perf_counter()
+    with tf32_matmuls():
+        scans = scan_shards(files, context, workers)
+    report.summary["scan_seconds"] = round(time.perf_counter() - t0, 3)
 
     seen: dict[int, Path] = {}
     total_bytes = total_tokens = correct = counted = 0
@@ -162,6 +192,8 @@ def check_structure_and_values(report: Report, meta: dict, prepared, reference: 
         per_shard_next_token_acc=per_shard_acc,
         per_shard_positions=per_shard_positions,
         verify_workers=workers,
+        audited_shards=sorted(scan.name for scan in scans if scan.audited),
+        hashed_shards=sum(scan.hashed for scan in scans),
     )
     if total_tokens and bytes_per_token > STORAGE_OVERHEAD_WARN * min_bytes:
         report.warn("storage", f"{bytes_per_token:.0f} bytes/token is over {STORAGE_OVERHEAD_WARN}x the minimum {min_bytes}")
@@ -469,8 +501,10 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         "",
         "| check | what it proves | result |",
         "| --- | --- | --- |",
-        f"| structure | every shard matches its manifest (sha256), has exactly 3 tensors per sample of shape [T, L, H], token ids and loss masks equal prepare's, every sample once | {status['structure']} |",
-        f"| values | no NaN/Inf, no all-zero or constant layer, no shard far off the others | {status['values']} |",
+        f"| structure | every shard matches its manifest's size and has exactly 3 tensors per sample of shape [T, L, H] (its header), token ids and loss masks equal prepare's, every sample once; "
+        f"{len(s.get('audited_shards', []))} audited shard(s) read in full: sha256 equal to the manifest's and the recorded statistics equal to the bytes' "
+        f"(sha256 checked on {s.get('hashed_shards')} of {s.get('num_shards')} shards) | {status['structure']} |",
+        f"| values | no NaN/Inf, no all-zero or constant layer (per sample and layer, from the statistics the extractor recorded as it wrote them), no shard far off the others | {status['values']} |",
         f"| reference | a transformers forward on {len(s.get('reference_samples', []))} seeded samples agrees per layer; each layer is closest to the reference state of its declared id; states align with their tokens (no +-1 shift) | {status['reference']} |",
         f"| final_state | lm_head(norm(h_N)) predicts like the target: argmax agreement {fmt(s.get('argmax_agreement'))} with the reference; next-token accuracy {fmt(s.get('final_state_next_token_acc'))} on all {s.get('final_state_positions')} masked positions (reference forward: {fmt(s.get('reference_next_token_acc'))}) | {status['final_state']} |",
         f"| storage | {s.get('bytes_per_token')} bytes/token against a minimum of {s.get('min_bytes_per_token')} ({s.get('total_bytes')} bytes total) | {status['storage']} |",
