@@ -17,6 +17,7 @@ zeros) is worked out only for a sample already known bad.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -78,6 +79,22 @@ class ShardScan:
 
     def fail(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, shard=self.name, **where))
+
+
+# [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
+# lm_head in chunks, and at most two threads hold a chunk's logits at once (the GPU runs one
+# matmul at a time anyway)
+FINAL_CHUNK_POSITIONS = 8192
+_final_head_slots = threading.BoundedSemaphore(2)
+
+
+def final_argmax(reference: ReferenceModel, final_states: torch.Tensor) -> torch.Tensor:
+    """argmax of lm_head(norm(h)) for final states [P, H], on the CPU."""
+    out = []
+    for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
+        with _final_head_slots:
+            out.append(reference.final_logits(final_states[i : i + FINAL_CHUNK_POSITIONS]).argmax(-1).cpu())
+    return torch.cat(out)
 
 
 def default_workers() -> int:
@@ -218,7 +235,7 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
             final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
             next_ids.append(ids[positions + 1])
     if final_states:  # one lm_head pass for the shard
-        pred = ctx.reference.final_logits(torch.cat(final_states)).argmax(-1).cpu()
+        pred = final_argmax(ctx.reference, torch.cat(final_states))
         targets = torch.cat(next_ids)
         scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)
