@@ -447,20 +447,20 @@ class Bench:
         parallelism), ray (2 replicas of TP=1): stages first, then verify and compare side by side."""
         smoke = self.args.smoke
         fast = 10 if smoke else None  # smoke: every step takes seconds
-        builds = []
-        if ("tp" in jobs or "ray" in jobs) and "build:dense" not in self.results["jobs"]:
-            builds.append(("build:dense", 240, fast or 60, "0"))
-        if "moe_tp" in jobs and "build:moe" not in self.results["jobs"]:
-            builds.append(("build:moe", 240, fast or 40, "1"))
-        self.children(builds)  # one per GPU, side by side (not timed)
         ray_reason = None
         if "ray" in jobs:
             import importlib.util
 
             if importlib.util.find_spec("ray") is None:
-                ray_reason = "skipped: ray not importable (not installed on this host)"
+                ray_reason = "ray not importable (not installed on this host)"
                 self.results["jobs"]["ray:ray2"] = {"summary": {"skipped": ray_reason}}
-                log(f"ray: {ray_reason}")
+                log(f"ray: skipped: {ray_reason}")
+        builds = []
+        if ("tp" in jobs or ("ray" in jobs and ray_reason is None)) and "build:dense" not in self.results["jobs"]:
+            builds.append(("build:dense", 240, fast or 60, "0"))
+        if "moe_tp" in jobs and "build:moe" not in self.results["jobs"]:
+            builds.append(("build:moe", 240, fast or 40, "1"))
+        self.children(builds)  # one per GPU, side by side (not timed)
         runs = []
         if "tp" in jobs or ("ray" in jobs and ray_reason is None):
             runs.append("tp1")
@@ -477,13 +477,16 @@ class Bench:
         # (verify needs a GPU for its transformers references; compare reads both runs' shards)
         for group in (["tp1", "tp2"], ["moetp2", "moeep2"], ["ray2"]):
             for run in [r for r in group if r in ready]:
+                # limits: ~2x the expected time (a hung engine, e.g. a TP rank that never reports a
+                # file, must not eat the whole call); min: about the expected time
+                start_s = 80 if self.args.eager else 150  # dense engine start-up on the H200
                 if run == "ray2":
-                    self.child(f"ray:{run}", 420, fast or 150)
+                    self.child(f"ray:{run}", 300, fast or start_s + 20)
                 elif self.state[f"model_{run}"] == "moe":
-                    self.child(f"stage:{run}", 300, fast or 90)
+                    self.child(f"stage:{run}", 240, fast or 80)
                 else:
                     tp = self.state[f"extract_{run}"].get("tensor_parallel_size", 1)
-                    self.child(f"stage:{run}", 420, fast or 170, gpus="0" if tp == 1 else None)
+                    self.child(f"stage:{run}", 300, fast or start_s + 20, gpus="0" if tp == 1 else None)
             checks = []
             for run in [r for r in group if r in ready]:
                 done = f"stage:{run}" in self.results["jobs"] or f"ray:{run}" in self.results["jobs"]
@@ -1390,7 +1393,7 @@ def job_ray(state: dict, name: str) -> dict:
     try:
         import ray
     except Exception as e:  # the GPU image may lack Ray: a clean skip, not a failed bench
-        return {"summary": {"skipped": f"ray not importable: {type(e).__name__}: {e}"}}
+        return {"summary": {"skipped": f"ray not importable ({type(e).__name__}: {e})"}}
     from pipeline import layout, ray_extract
     from pipeline.stages import extract
 
