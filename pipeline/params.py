@@ -150,6 +150,12 @@ class ExtractParams(_Section):
     max_num_batched_tokens: int = Field(2048, gt=0)
     tensor_parallel_size: int = Field(1, ge=1)
     pipeline_parallel_size: int = Field(1, ge=1)
+    expert_parallel: bool = Field(
+        False,
+        description="MoE targets: spread the routed experts over the tensor-parallel GPUs instead of splitting "
+        "every expert (vLLM's enable_expert_parallel); needs tensor_parallel_size > 1. Not in the run key: like "
+        "the parallel sizes it changes only which GPU computes what (bf16 rounding may differ slightly).",
+    )
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
     rank: int = Field(0, ge=0, description="This machine's rank when several machines split the shards.")
@@ -187,6 +193,12 @@ class ExtractParams(_Section):
             raise ValueError(
                 "extract.engine: ray hands shards to its replicas itself: set extract.world_size: 1 and extract.rank: 0 "
                 "(use extract.replicas for more engines), or extract.engine: local to split by rank"
+            )
+        if self.expert_parallel and self.tensor_parallel_size < 2:
+            raise ValueError(
+                "extract.expert_parallel spreads a MoE target's experts over the tensor-parallel GPUs, but "
+                f"extract.tensor_parallel_size is {self.tensor_parallel_size}: set it to 2 or more, or "
+                "extract.expert_parallel: false"
             )
         return self
 

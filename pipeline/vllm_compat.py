@@ -119,6 +119,7 @@ def engine_kwargs(
     max_num_batched_tokens: int,
     tensor_parallel_size: int = 1,
     pipeline_parallel_size: int = 1,
+    expert_parallel: bool = False,
     gpu_memory_utilization: float = 0.9,
     trust_remote_code: bool = False,
     distributed_executor_backend: str | None = None,
@@ -143,6 +144,8 @@ def engine_kwargs(
         },
         "kv_transfer_config": kv_transfer_config(scratch_dir),
     }
+    if expert_parallel:  # MoE: experts spread over the TP ranks (0.26 and 0.32: EngineArgs.enable_expert_parallel)
+        kwargs["enable_expert_parallel"] = True
     if distributed_executor_backend is not None:  # "ray": a TP x PP group spread over nodes (docs/SCALING.md)
         kwargs["distributed_executor_backend"] = distributed_executor_backend
     kwargs.update(device_kwargs(model, max_model_len, max_num_batched_tokens, "extract.max_num_batched_tokens",

@@ -38,6 +38,7 @@ def test_shipped_params_are_valid():
         ({"extract__layer_ids": [-1, 3]}, ["extract.layer_ids", ">= 0"]),
         ({"extract__rank": 2}, ["extract.rank", "world_size"]),
         ({"data__on_error": "ignore"}, ["data.on_error", "fail", "skip"]),
+        ({"extract__expert_parallel": True}, ["extract.expert_parallel", "extract.tensor_parallel_size is 1"]),
     ],
 )
 def test_bad_params_name_the_key(tmp_path, override, words):
@@ -45,6 +46,22 @@ def test_bad_params_name_the_key(tmp_path, override, words):
         load_params(write_params(tmp_path, **override))
     for word in words:
         assert word in str(err.value)
+
+
+def test_expert_parallel_reaches_vllm_only_when_set(tmp_path):
+    """extract.expert_parallel (default off) becomes vLLM's enable_expert_parallel, with TP > 1."""
+    from pipeline.params import ExtractParams
+    from pipeline.vllm_compat import engine_kwargs
+
+    assert load_params(ROOT / "params.yaml").extract.expert_parallel is False
+    params = load_params(write_params(tmp_path, extract__expert_parallel=True, extract__tensor_parallel_size=2)).extract
+    assert params.expert_parallel and params.tensor_parallel_size == 2
+    (tmp_path / "config.json").write_text("{}")
+    args = dict(model=tmp_path, layer_ids=[1, 2], scratch_dir=tmp_path / "s", dtype="bfloat16", max_model_len=64,
+                max_num_seqs=2, max_num_batched_tokens=64, tensor_parallel_size=2)
+    assert "enable_expert_parallel" not in engine_kwargs(**args)
+    assert engine_kwargs(**args, expert_parallel=True)["enable_expert_parallel"] is True
+    assert ExtractParams(expert_parallel=True, tensor_parallel_size=2).expert_parallel
 
 
 def test_unknown_section_is_rejected(tmp_path):

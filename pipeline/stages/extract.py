@@ -460,6 +460,7 @@ def start_engine(
         max_num_batched_tokens=params.max_num_batched_tokens,
         tensor_parallel_size=params.tensor_parallel_size,
         pipeline_parallel_size=params.pipeline_parallel_size,
+        expert_parallel=params.expert_parallel,
         gpu_memory_utilization=params.gpu_memory_utilization,
         trust_remote_code=target.trust_remote_code,
         **engine_extra,
