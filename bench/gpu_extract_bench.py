@@ -847,7 +847,8 @@ def _patch_eager_for_moe(state: dict, name: str) -> None:
     `--eager` puts the dense runs in eager mode too (start-up ~1 min shorter; tok/s not the compiled one)."""
     from pipeline import vllm_compat
 
-    if model_of(state, name) != "moe" and not state.get("eager"):
+    # the verifyall job's "dense" stage is issue 4's timed baseline: always compiled
+    if model_of(state, name) != "moe" and (not state.get("eager") or name == "dense"):
         return
     orig = vllm_compat.engine_kwargs
 
