@@ -1369,6 +1369,8 @@ def job_verify_all(state: dict, name: str) -> dict:
             "verify_s": round(verify_s, 2),
             **timings,
             "scan_s": metrics.get("scan_seconds"),
+            "scan_thread_seconds": metrics.get("scan_thread_seconds"),
+            "final_state_head": metrics.get("final_state_head"),
             "workers": metrics.get("verify_workers"),
             "audited_shards": len(metrics.get("audited_shards") or []),
             "hashed_shards": metrics.get("hashed_shards"),

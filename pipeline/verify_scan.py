@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,7 @@ class ScanContext:
     dtype: torch.dtype
     prepared: object  # datasets.Dataset in torch format (input_ids, loss_mask)
     reference: ReferenceModel
+    final_head: FinalHead | None = None  # set by the verify stage (FinalHead(reference))
     audit: frozenset[str] = frozenset()  # shard names read in full: sha256 and statistics re-derived
     hash_all: bool = False  # re-hash every shard, not only the audited ones
 
@@ -76,6 +78,12 @@ class ShardScan:
     read_ok: bool = False  # manifest, size and key set were fine
     audited: bool = False  # read in full: statistics re-derived from the bytes
     hashed: bool = False  # sha256 re-computed and equal to the manifest's
+    seconds: dict = field(default_factory=dict)  # where this shard's time went (docs/BENCHMARKS.md)
+
+    def timed(self, key: str, since: float) -> float:
+        now = time.perf_counter()
+        self.seconds[key] = self.seconds.get(key, 0.0) + now - since
+        return now
 
     def fail(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, shard=self.name, **where))
@@ -88,13 +96,46 @@ FINAL_CHUNK_POSITIONS = 8192
 _final_head_slots = threading.BoundedSemaphore(2)
 
 
-def final_argmax(reference: ReferenceModel, final_states: torch.Tensor) -> torch.Tensor:
-    """argmax of lm_head(norm(h)) for final states [P, H], on the CPU."""
-    out = []
-    for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
-        with _final_head_slots:
-            out.append(reference.final_logits(final_states[i : i + FINAL_CHUNK_POSITIONS]).argmax(-1).cpu())
-    return torch.cat(out)
+class FinalHead:
+    """argmax(lm_head(norm(h))) for the final-state pass over every masked position.
+
+    At 8B scale lm_head is ~6% of the target's FLOPs per token, so this pass is not free. On a
+    GPU it runs lm_head on bf16 tensor cores with fp32 outputs (`mode` "bf16-fp32": the norm in
+    fp32, its output and the weight rounded to bf16, as the target itself serves), or, where
+    torch lacks `mm(..., out_dtype=)`, as a TF32 matmul ("tf32"); on a CPU in the reference's
+    fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this.
+    """
+
+    def __init__(self, reference: ReferenceModel) -> None:
+        self.reference = reference
+        self.mode, self.weight = "fp32", None
+        head = reference.lm_head
+        if reference.device.type != "cuda":
+            return
+        self.mode = "tf32"
+        if getattr(head, "bias", None) is not None:
+            return
+        weight = head.weight.detach().to(torch.bfloat16)
+        try:
+            torch.mm(weight[:2], weight[:2].t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError, NotImplementedError):
+            return
+        self.mode, self.weight = "bf16-fp32", weight
+
+    @torch.inference_mode()
+    def argmax(self, final_states: torch.Tensor) -> torch.Tensor:
+        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU."""
+        out = []
+        for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
+            chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
+            with _final_head_slots:
+                if self.weight is None:
+                    logits = self.reference.final_logits(chunk)
+                else:
+                    normed = self.reference.final_norm(chunk.to(self.reference.device).to(self.reference.dtype))
+                    logits = torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
+                out.append(logits.argmax(-1).cpu())
+        return torch.cat(out)
 
 
 def default_workers() -> int:
@@ -127,7 +168,10 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
     records = (manifest.get("layer_stats") or {}).get("samples")
     scan.audited = path.stem in ctx.audit or records is None
     if scan.audited or ctx.hash_all:
-        if sha256_file(path) != manifest["sha256"]:
+        t = time.perf_counter()
+        digest = sha256_file(path)
+        scan.timed("sha256", t)
+        if digest != manifest["sha256"]:
             scan.fail("structure", "file content does not match its manifest sha256: corrupt, or changed after extraction")
             return scan
         scan.hashed = True
@@ -206,7 +250,9 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         hs = shard.numpy(name)
         recorded = records.get(str(sid))
         if scan.audited:
+            t = time.perf_counter()
             stats = shard_stats.sample_stats(hs)  # reads the sample's every byte
+            scan.timed("audit_stats", t)
             if recorded is not None and (bad := shard_stats.records_agree(recorded, stats, T * H)):
                 scan.fail(
                     "structure",
@@ -232,10 +278,14 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
             # the final layer's rows at the masked positions only: 1/L of those rows' bytes
+            t = time.perf_counter()
             final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
+            scan.timed("read_final_rows", t)
             next_ids.append(ids[positions + 1])
     if final_states:  # one lm_head pass for the shard
-        pred = final_argmax(ctx.reference, torch.cat(final_states))
+        t = time.perf_counter()
+        pred = ctx.final_head.argmax(torch.cat(final_states))
+        scan.timed("final_lm_head", t)
         targets = torch.cat(next_ids)
         scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)

@@ -37,7 +37,7 @@ from pipeline.params import VerifyParams
 from pipeline.reference import DTYPES, ReferenceModel
 from pipeline.shards import read_meta
 from pipeline.target import load_target
-from pipeline.verify_scan import Finding, ScanContext, default_workers, scan_shards
+from pipeline.verify_scan import FinalHead, Finding, ScanContext, default_workers, scan_shards
 
 REPORT_DIR = REPORTS / "verify"
 LAYER_CSV = METRICS / "verify_layers.csv"
@@ -144,7 +144,7 @@ def check_structure_and_values(report: Report, params: VerifyParams, meta: dict,
     audit = audit_selection([p.stem for p in files], params)
     context = ScanContext(
         layer_ids, hidden_size, dtype, prepared.with_format("torch", columns=["input_ids", "loss_mask"]), reference,
-        audit=audit, hash_all=params.hash_all_shards,
+        final_head=FinalHead(reference), audit=audit, hash_all=params.hash_all_shards,
     )
     t0 = time.perf_counter()
     with tf32_matmuls():
@@ -194,6 +194,10 @@ def check_structure_and_values(report: Report, params: VerifyParams, meta: dict,
         verify_workers=workers,
         audited_shards=sorted(scan.name for scan in scans if scan.audited),
         hashed_shards=sum(scan.hashed for scan in scans),
+        final_state_head=context.final_head.mode,
+        # summed over the worker threads (they overlap): where the per-shard pass spends its time
+        scan_thread_seconds={k: round(sum(scan.seconds.get(k, 0.0) for scan in scans), 3)
+                             for k in sorted({k for scan in scans for k in scan.seconds})},
     )
     if total_tokens and bytes_per_token > STORAGE_OVERHEAD_WARN * min_bytes:
         report.warn("storage", f"{bytes_per_token:.0f} bytes/token is over {STORAGE_OVERHEAD_WARN}x the minimum {min_bytes}")
