@@ -1325,8 +1325,8 @@ def job_verify(state: dict, name: str) -> dict:
 # shard read in full (what verify did before the extractor recorded statistics)
 # (the first run pays the process's one-time imports and CUDA set-up, so the default runs last)
 VERIFY_MODES = {
-    "read_all": {"hash_all_shards": True, "audit_fraction": 1.0},
-    "hash_all": {"hash_all_shards": True},
+    "read_all": {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None},
+    "every_position": {"final_state_positions_per_shard": None},
     "default": {},
 }
 
@@ -1339,7 +1339,7 @@ def job_verify_all(state: dict, name: str) -> dict:
 
     proj = Path(state[f"project_{name}"])
     timings: dict = {}
-    for fn in ("check_structure_and_values", "check_reference"):
+    for fn in ("check_structure_and_values", "check_reference", "write_outputs"):
         orig = getattr(verify, fn)
 
         def timed(*a, _orig=orig, _fn=fn, **kw):
@@ -1349,6 +1349,15 @@ def job_verify_all(state: dict, name: str) -> dict:
             return r
 
         setattr(verify, fn, timed)
+    load_reference = verify.ReferenceModel.load
+
+    def timed_load(*a, **kw):  # the fp32 reference, and the bf16 one inside check_reference
+        t = time.monotonic()
+        r = load_reference(*a, **kw)
+        timings["reference_loads_s"] = round(timings.get("reference_loads_s", 0) + time.monotonic() - t, 2)
+        return r
+
+    verify.ReferenceModel.load = timed_load
     extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
     extract_run_s = extract["wall_s"] - extract.get("engine_load_s", 0)
     summary = {
@@ -1371,6 +1380,7 @@ def job_verify_all(state: dict, name: str) -> dict:
             "scan_s": metrics.get("scan_seconds"),
             "scan_thread_seconds": metrics.get("scan_thread_seconds"),
             "final_state_head": metrics.get("final_state_head"),
+            "masked_positions": metrics.get("masked_positions"),
             "workers": metrics.get("verify_workers"),
             "audited_shards": len(metrics.get("audited_shards") or []),
             "hashed_shards": metrics.get("hashed_shards"),

@@ -62,6 +62,8 @@ class ScanContext:
     final_head: FinalHead | None = None  # set by the verify stage (FinalHead(reference))
     audit: frozenset[str] = frozenset()  # shard names read in full: sha256 and statistics re-derived
     hash_all: bool = False  # re-hash every shard, not only the audited ones
+    final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
+    seed: int = 0
 
 
 @dataclass
@@ -78,6 +80,7 @@ class ShardScan:
     read_ok: bool = False  # manifest, size and key set were fine
     audited: bool = False  # read in full: statistics re-derived from the bytes
     hashed: bool = False  # sha256 re-computed and equal to the manifest's
+    masked_positions: int = 0  # masked positions in the shard (`counted` of them went through lm_head)
     seconds: dict = field(default_factory=dict)  # where this shard's time went (docs/BENCHMARKS.md)
 
     def timed(self, key: str, since: float) -> float:
@@ -231,6 +234,7 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     final_states, next_ids = [], []
+    masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
     in_shard: set[int] = set()
     for sid in sample_ids:
         if sid in in_shard:
@@ -277,11 +281,14 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         scan.tokens += T
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
-            # the final layer's rows at the masked positions only: 1/L of those rows' bytes
-            t = time.perf_counter()
-            final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
-            scan.timed("read_final_rows", t)
-            next_ids.append(ids[positions + 1])
+            masked.append((name, positions, ids))
+    scan.masked_positions = sum(p.numel() for _, p, _ in masked)
+    for name, positions, ids in sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name):
+        # the final layer's rows at those positions only: 1/L of those rows' bytes
+        t = time.perf_counter()
+        final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
+        scan.timed("read_final_rows", t)
+        next_ids.append(ids[positions + 1])
     if final_states:  # one lm_head pass for the shard
         t = time.perf_counter()
         pred = ctx.final_head.argmax(torch.cat(final_states))
@@ -300,6 +307,24 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
+
+
+def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:
+    """The masked positions whose final state goes through lm_head: all of them, or a seeded
+    sample of `limit` across the shard (`verify.final_state_positions_per_shard`)."""
+    total = sum(p.numel() for _, p, _ in masked)
+    if limit is None or total <= limit:
+        return masked
+    rng = np.random.default_rng([seed, int.from_bytes(shard_name.encode()[-8:], "little")])
+    keep = np.zeros(total, dtype=bool)
+    keep[rng.choice(total, size=limit, replace=False)] = True
+    out, start = [], 0
+    for name, positions, ids in masked:
+        chosen = positions[torch.from_numpy(keep[start : start + positions.numel()])]
+        start += positions.numel()
+        if chosen.numel():
+            out.append((name, chosen, ids))
+    return out
 
 
 def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:

@@ -127,6 +127,19 @@ def test_clean_extraction_passes_on_records_only_and_every_shard_audited(project
     assert records["final_state_next_token_acc"] == full["final_state_next_token_acc"]
 
 
+def test_final_state_on_a_seeded_sample_of_positions(project: Path):
+    """With verify.final_state_positions_per_shard set, each shard sends that many of its masked
+    positions through lm_head (the same ones on every run); null sends all of them."""
+    every = verify(project, final_state_positions_per_shard=None)
+    assert every["final_state_positions"] == every["masked_positions"] > 3 * 50
+    sampled = verify(project, final_state_positions_per_shard=50)
+    assert sampled["passed"] and sampled["final_state_positions"] == 3 * 50
+    assert sampled["masked_positions"] == every["masked_positions"]
+    again = verify(project, final_state_positions_per_shard=50)
+    assert again["final_state_next_token_acc"] == sampled["final_state_next_token_acc"]
+    assert "of the" in (project / layout.REPORTS / "verify" / "report.md").read_text()
+
+
 def test_shard_without_records_is_read_in_full(project: Path):
     """Shards written before the extractor recorded statistics are verified from their bytes."""
     shard = next(p for p in shards(project) if p.stem not in audited(project))
