@@ -227,9 +227,9 @@ class VerifyParams(_Section):
     )
     audit_min_shards: int = Field(2, ge=0, description="Audit at least this many shards (all if there are fewer).")
     final_state_positions_per_shard: int | None = Field(
-        2048, ge=1,
-        description="Masked positions per shard (seeded sample) whose final state goes through lm_head for the per-shard "
-        "next-token check; null = every masked position (lm_head is ~5% of an 8B target's FLOPs per token; docs/BENCHMARKS.md).",
+        None, ge=1,
+        description="null = every masked position's final state goes through lm_head for the per-shard next-token check; "
+        "a number = a seeded sample of that many per shard (lm_head is ~5% of an 8B target's FLOPs per token; docs/BENCHMARKS.md).",
     )
     hash_all_shards: bool = Field(
         False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; docs/BENCHMARKS.md for the cost)."

@@ -126,7 +126,8 @@ _final_head_slots = threading.BoundedSemaphore(2)
 
 
 class FinalHead:
-    """argmax(lm_head(norm(h))) for the final-state pass over every masked position.
+    """argmax(lm_head(norm(h))) for the final-state pass (every masked position, or a seeded
+    sample of `verify.final_state_positions_per_shard` per shard).
 
     At 8B scale lm_head is ~6% of the target's FLOPs per token, so this pass is not free. On a
     GPU it runs lm_head on bf16 tensor cores with fp32 outputs (`mode` "bf16-fp32": the norm in
