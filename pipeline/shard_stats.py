@@ -18,7 +18,7 @@ import torch
 FIELDS = ("sum", "sumsq", "min", "max")
 # rows of one layer converted at a time: a few MB, so the fp32 copy stays in cache
 _CHUNK_VALUES = 1 << 20
-_INT_VIEW = {torch.bfloat16: np.int16, torch.float16: np.float16, torch.float32: np.float32}
+_SUPPORTED = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def sample_stats(hidden_states: torch.Tensor | np.ndarray) -> np.ndarray:
@@ -26,7 +26,7 @@ def sample_stats(hidden_states: torch.Tensor | np.ndarray) -> np.ndarray:
     view of one, e.g. a memory map of a shard: bf16 as its int16 bit pattern)."""
     if isinstance(hidden_states, torch.Tensor):
         t = hidden_states.detach().cpu().contiguous()
-        if t.dtype not in _INT_VIEW:
+        if t.dtype not in _SUPPORTED:
             raise TypeError(f"hidden states of dtype {t.dtype}: expected bfloat16, float16 or float32")
         arr, bf16 = t.view(torch.int16).numpy() if t.dtype == torch.bfloat16 else t.numpy(), t.dtype == torch.bfloat16
     else:
