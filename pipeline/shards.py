@@ -8,9 +8,9 @@ A shard is one safetensors file holding `samples_per_shard` samples, each as thr
 
 plus a JSON manifest beside it (`shard-NNNNN.json`) that is written *after* the data file, so a
 manifest on disk means its shard is complete. The manifest records each sample's per-layer
-statistics (pipeline/shard_stats.py), computed from the tensors as they are written. The run-level `extract_meta.json` records what
-the shards are of (model, data, layer ids and their convention) so stale shards are never
-mixed into a resumed run.
+statistics (pipeline/shard_stats.py), computed from the tensors as they are written. The
+run-level `extract_meta.json` records what the shards are of (model, data, layer ids and their
+convention) so stale shards are never mixed into a resumed run.
 """
 
 from __future__ import annotations
