@@ -12,8 +12,9 @@ run: plan the shards, keep the complete ones of the same run key (resume), write
   (`extract.extract_shards` with the replica's engine), so it checks and writes the shard the same
   way, atomically, into the output directory, which every node must see at the same path (shared
   storage). Same samples, same code: the same bytes as a local run (tests/test_ray_extract.py).
-- Work stealing: a replica gets one shard at a time, the next pending one, whenever it is idle,
-  so a slow node simply does fewer shards.
+- Work stealing: an idle replica gets the next pending shards, up to `MAX_SHARDS_PER_CALL` at a
+  time while many are pending (its engine streams from one shard into the next, so it does not
+  wait for a shard's write), one at a time near the end, so a slow node simply does fewer shards.
 - A lost replica (its process or node died): the shard it was computing goes back to the front
   of the queue for another replica, at most `extract.max_retries` times per shard; complete
   shards are on disk and never redone. When the retries of a shard run out, or no replica is
@@ -46,6 +47,16 @@ from pipeline.params import ExtractParams
 NAMESPACE = "eagle3-extract"
 CLOSE_TIMEOUT_S = 60.0
 WAIT_S = 1.0
+# Shards handed to a replica per call while many are pending: one shard per call left each GPU idle
+# while the shard was written (0.30 of two H200s' throughput, docs/BENCHMARKS.md "Two H200s").
+MAX_SHARDS_PER_CALL = 4
+
+
+def next_batch(pending, live_replicas: int) -> list[int]:
+    """The shards for the next call: several while each replica still has several to do, one at a
+    time near the end (a replica left alone with a long batch would be the run's tail)."""
+    size = max(1, min(MAX_SHARDS_PER_CALL, len(pending) // (2 * max(live_replicas, 1))))
+    return [pending.popleft() for _ in range(min(size, len(pending)))]
 
 # --- Fault-injection hook, for tests/test_ray_extract.py only; inert unless the variable is set. ---
 # EAGLE3_TEST_RAY_KILL=after_shards:<n>: once n shards of this run are complete, the driver SIGKILLs
@@ -189,16 +200,18 @@ class ShardReplica:
         return {"host": host, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "load_s": time.monotonic() - t0}
 
-    def extract(self, index: int) -> dict:
-        """Compute shard `index` with the local stage's code and this replica's engine; it lands in `out`."""
+    def extract(self, indices: list[int]) -> dict:
+        """Compute shards `indices` with the local stage's code and this replica's engine, streaming
+        from one into the next as a local run does (the engine works on the next shard's requests
+        while the last one is written); they land in `out`."""
         from pipeline.stages import extract
 
         prog = extract.extract_shards(
-            self.params, self.target, self.layer_ids, self.max_model_len, self.ds, self.plan, [index], self.out,
+            self.params, self.target, self.layer_ids, self.max_model_len, self.ds, self.plan, list(indices), self.out,
             self.manifest_extra, engine=self.engine, show_progress=False,
         )
-        manifest = shards.read_manifest(self.out / shards.shard_name(index))
-        return {"index": index, "manifest": manifest, "samples": prog.samples, "tokens": prog.tokens,
+        manifests = [shards.read_manifest(self.out / shards.shard_name(k)) for k in indices]
+        return {"indices": list(indices), "manifests": manifests, "samples": prog.samples, "tokens": prog.tokens,
                 "bytes": prog.bytes, "seconds": prog.seconds, "time_s": prog.time_s}
 
     def close(self) -> None:
@@ -273,30 +286,52 @@ class Cluster:
         lost: list[str] = []  # one line per lost replica
         prog = Progress()
         done = 0
+        calls = 0  # extract calls handed to replicas (each of one or more shards)
         kill_after = _kill_after()
         started: float | None = None
         ok = False
         bar = tqdm(total=len(todo), unit="shard", desc="extract (ray)", mininterval=1.0)
 
-        def lose(i: int, shard: int | None, why: str) -> None:
+        def finish(i: int, m: dict) -> None:
+            """A shard replica `i` wrote (its manifest `m`) counts as done, once the driver sees it."""
+            nonlocal done
+            path = out / m["file"]
+            if not path.is_file() or path.stat().st_size != m["bytes"]:
+                raise PipelineError(
+                    f"replica {i} on {info[i]['host']} wrote shard {m['shard_index']}, but this driver does not see it at "
+                    f"{path.resolve()}: the output must be on storage every node mounts at the same path "
+                    "(docs/SCALING.md)"
+                )
+            done += 1
+            per_replica[i] += 1
+            bar.update(1)
+
+        def lose(i: int, batch: list[int] | None, why: str) -> None:
             with contextlib.suppress(Exception):
                 # an unreachable replica counts as lost too; should it still write its shard, that is
                 # the same bytes, renamed into place atomically
                 ray.kill(actors.pop(i), no_restart=True)
             where = info.get(i, {}).get("host", "?")
-            lost.append(f"replica {i} on {where}: {why}" + (f" (was computing shard {shard})" if shard is not None else ""))
+            lost.append(f"replica {i} on {where}: {why}" + (f" (was computing shard(s) {batch})" if batch else ""))
             log(f"lost {lost[-1]}")
-            if shard is None:
-                return
-            failures[shard] += 1
-            if failures[shard] > params.max_retries:
-                raise PipelineError(
-                    f"shard {shard} was lost {failures[shard]} time(s), more than extract.max_retries "
-                    f"({params.max_retries}); {done} of {len(todo)} shards of this run are complete in {out_abs} "
-                    "and kept. Lost replicas:\n  " + "\n  ".join(lost) + "\nFix the nodes (or raise "
-                    "extract.max_retries) and re-run extract: only the missing shards are computed"
-                )
-            pending.appendleft(shard)
+            for k in reversed(batch or []):
+                path = out / shards.shard_name(k)
+                if shards.manifest_path(path).is_file():  # written before the replica was lost: complete
+                    m = shards.read_manifest(path)
+                    prog.samples += len(m["sample_ids"])
+                    prog.tokens += sum(m["num_tokens"])
+                    prog.bytes += m["bytes"]
+                    finish(i, m)
+                    continue
+                failures[k] += 1
+                if failures[k] > params.max_retries:
+                    raise PipelineError(
+                        f"shard {k} was lost {failures[k]} time(s), more than extract.max_retries "
+                        f"({params.max_retries}); {done} of {len(todo)} shards of this run are complete in {out_abs} "
+                        "and kept. Lost replicas:\n  " + "\n  ".join(lost) + "\nFix the nodes (or raise "
+                        "extract.max_retries) and re-run extract: only the missing shards are computed"
+                    )
+                pending.appendleft(k)
 
         try:
             while pending or in_flight:
@@ -304,11 +339,12 @@ class Cluster:
                     i = idle.popleft()
                     if i not in actors:
                         continue
-                    k = pending.popleft()
-                    in_flight[actors[i].extract.remote(k)] = (i, k)
+                    batch = next_batch(pending, len(actors))
+                    in_flight[actors[i].extract.remote(batch)] = (i, batch)
+                    calls += 1
                 if kill_after is not None and done >= kill_after and in_flight:  # test hook, see above
-                    victim, shard = next(iter(in_flight.values()))
-                    log(f"{RAY_KILL_ENV}: SIGKILL replica {victim} (pid {info[victim]['pid']}), shard {shard} in flight")
+                    victim, batch = next(iter(in_flight.values()))
+                    log(f"{RAY_KILL_ENV}: SIGKILL replica {victim} (pid {info[victim]['pid']}), shard(s) {batch} in flight")
                     os.kill(info[victim]["pid"], signal.SIGKILL)
                     kill_after = None
                 if not in_flight and not starting:
@@ -334,37 +370,28 @@ class Cluster:
                         started = started or time.monotonic()
                         idle.append(i)
                         continue
-                    i, k = in_flight.pop(ref)
+                    i, batch = in_flight.pop(ref)
                     try:
                         res = ray.get(ref)
                     except ray.exceptions.RayActorError as e:
-                        lose(i, k, f"died ({_short(e)})")
+                        lose(i, batch, f"died ({_short(e)})")
                         continue
                     except ray.exceptions.RayTaskError as e:
                         if isinstance(e.cause, PipelineError):  # the shard's own checks: fails anywhere
-                            raise _cause(e, f"shard {k} (replica {i} on {info.get(i, {}).get('host')})") from None
+                            raise _cause(e, f"shard(s) {batch} (replica {i} on {info.get(i, {}).get('host')})") from None
                         # an engine error: this replica's engine is in an unknown state; retire it
-                        lose(i, k, f"failed: {_short(e)}")
+                        lose(i, batch, f"failed: {_short(e)}")
                         continue
-                    m = res["manifest"]
-                    path = out / m["file"]
-                    if not path.is_file() or path.stat().st_size != m["bytes"]:
-                        raise PipelineError(
-                            f"replica {i} on {info[i]['host']} wrote shard {k}, but this driver does not see it at "
-                            f"{path.resolve()}: the output must be on storage every node mounts at the same path "
-                            "(docs/SCALING.md)"
-                        )
-                    done += 1
                     prog.samples += res["samples"]
                     prog.tokens += res["tokens"]
                     prog.bytes += res["bytes"]
                     for key, sec in res["time_s"].items():
                         prog.add_time(key, sec)
+                    for m in res["manifests"]:
+                        finish(i, m)
                     prog.seconds = time.monotonic() - (started or time.monotonic())
-                    bar.update(1)
                     bar.set_postfix_str(f"{prog.tokens / max(prog.seconds, 1e-9):,.0f} tok/s, "
                                         f"{len(actors)}/{n} replicas", refresh=False)
-                    per_replica[i] += 1
                     idle.append(i)
             prog.seconds = time.monotonic() - (started or time.monotonic())
             ok = True
@@ -378,7 +405,7 @@ class Cluster:
         prog.extra = {"replicas": n, "replicas_lost": len(lost), "shard_retries": sum(failures.values()),
                       "replica_hosts": sorted({v["host"] for v in info.values()}),
                       "replica_nodes": len({v["node_id"] for v in info.values()}),
-                      "shards_per_replica": {str(i): per_replica[i] for i in range(n)}}
+                      "shards_per_replica": {str(i): per_replica[i] for i in range(n)}, "replica_calls": calls}
         if lost:
             log(f"{len(lost)} replica(s) lost, {sum(failures.values())} shard(s) re-run elsewhere:\n  " + "\n  ".join(lost))
         return prog

@@ -177,3 +177,26 @@ def test_no_cluster_is_a_clear_error(tmp_path: Path):
 def test_ray_engine_refuses_a_rank_split():
     with pytest.raises(ValueError, match="extract.world_size: 1"):
         ExtractParams(engine="ray", world_size=2, rank=1)
+
+
+def test_next_batch_hands_several_shards_while_many_are_pending():
+    from collections import deque
+
+    assert ray_extract.next_batch(deque(range(40)), 2) == [0, 1, 2, 3]  # capped at MAX_SHARDS_PER_CALL
+    assert ray_extract.next_batch(deque(range(6)), 1) == [0, 1, 2]  # half of what is left per replica
+    assert ray_extract.next_batch(deque(range(3)), 2) == [0]  # near the end: one at a time
+
+
+def test_batches_of_shards_give_the_same_bytes_as_a_local_run(prepared: Path, project_root: Path, tmp_path: Path, ray_cluster):
+    """10 shards on 2 replicas: calls of several shards (each replica's engine streams from one
+    shard into the next) write what a local run writes."""
+    params = {**EXTRACT_PARAMS, "samples_per_shard": 2}
+    local = fresh_project(project_root, tmp_path / "local")
+    run_stage(local, "extract", **params)
+    proj = fresh_project(project_root, tmp_path / "ray")
+    run_stage(proj, "extract", **params, engine="ray", replicas=2, ray_address=ray_cluster)
+    ray_files = shard_files(proj / layout.HIDDEN_STATES_DIR)
+    assert len(ray_files) == 20 and ray_files == shard_files(local / layout.HIDDEN_STATES_DIR)
+    m = metrics(proj)
+    assert (m["shards_written"], sum(m["shards_per_replica"].values()), m["samples"]) == (10, 10, NUM_PREPARED)
+    assert m["replica_calls"] < 10  # some calls carried several shards
