@@ -15,10 +15,11 @@ run: plan the shards, keep the complete ones of the same run key (resume), write
 - Work stealing: an idle replica gets the next pending shards, up to `MAX_SHARDS_PER_CALL` at a
   time while many are pending (its engine streams from one shard into the next, so it does not
   wait for a shard's write), one at a time near the end, so a slow node simply does fewer shards.
-- A lost replica (its process or node died): the shard it was computing goes back to the front
-  of the queue for another replica, at most `extract.max_retries` times per shard; complete
-  shards are on disk and never redone. When the retries of a shard run out, or no replica is
-  left, the run stops with a report (which shards, which replicas, why); a re-run resumes.
+- A lost replica (its process or node died): the shards of its call that it had not finished go
+  back to the front of the queue for another replica, at most `extract.max_retries` times per
+  shard; complete shards are on disk and never redone. When the retries of a shard run out, or
+  no replica is left, the run stops with a report (which shards, which replicas, why); a re-run
+  resumes.
 - A shard that fails its checks (a PipelineError: bad data, misaligned tokens) stops the run
   as in a local run: it would fail the same way anywhere.
 - One progress bar for the whole job: shards done, tok/s, ETA, live replicas.
