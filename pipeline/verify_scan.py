@@ -85,11 +85,14 @@ class ScanContext:
     dtype: torch.dtype
     prepared: PreparedTokens
     reference: ReferenceModel
-    final_head: FinalHead | None = None  # set by the verify stage (FinalHead(reference))
     audit: frozenset[str] = frozenset()  # shard names read in full: sha256 and statistics re-derived
     hash_all: bool = False  # re-hash every shard, not only the audited ones
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
+    final_head: FinalHead = field(init=False)  # lm_head(norm(.)) of `reference` for the final-state pass
+
+    def __post_init__(self) -> None:
+        self.final_head = FinalHead(self.reference)
 
 
 @dataclass

@@ -37,7 +37,7 @@ from pipeline.params import VerifyParams
 from pipeline.reference import DTYPES, ReferenceModel
 from pipeline.shards import read_meta
 from pipeline.target import load_target
-from pipeline.verify_scan import FinalHead, Finding, PreparedTokens, ScanContext, default_workers, scan_shards
+from pipeline.verify_scan import Finding, PreparedTokens, ScanContext, default_workers, scan_shards
 
 REPORT_DIR = REPORTS / "verify"
 LAYER_CSV = METRICS / "verify_layers.csv"
@@ -144,7 +144,7 @@ def check_structure_and_values(report: Report, params: VerifyParams, meta: dict,
     audit = audit_selection([p.stem for p in files], params)
     context = ScanContext(
         layer_ids, hidden_size, dtype, PreparedTokens(prepared), reference,
-        final_head=FinalHead(reference), audit=audit, hash_all=params.hash_all_shards,
+        audit=audit, hash_all=params.hash_all_shards,
         final_state_positions=params.final_state_positions_per_shard, seed=params.seed,
     )
     t0 = time.perf_counter()
