@@ -1209,8 +1209,16 @@ def job_hf(state: dict, name: str) -> dict:
 
 def _run_verify(proj: Path, **params) -> tuple[str | None, float]:
     """The verify stage in project `proj`, default params unless overridden: (failure message or None, seconds)."""
+    import gc
+
     from pipeline.params import VerifyParams
     from pipeline.stages import verify
+
+    gc.collect()  # the last run's reference models (48 GB at 8B) are freed before this one loads its own
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     t = time.monotonic()
     with contextlib.chdir(proj):
@@ -1325,16 +1333,78 @@ def job_verify(state: dict, name: str) -> dict:
 # as a user runs it (defaults: values from the extractor's records, sha256 + statistics re-derived
 # on the audit sample, every masked position through lm_head)
 # (the first run pays the process's one-time imports and CUDA set-up, so the default runs last)
-VERIFY_MODES = {
-    "read_all": {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None},
-    "sampled_positions": {"final_state_positions_per_shard": 2048},
+VERIFY_MODES = {  # "default" first in this process: it pays the process's first CUDA calls, as `make verify` does
     "default": {},
+    "default_again": {},
+    "sampled_positions": {"final_state_positions_per_shard": 2048},
+    "read_all": {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None},
 }
+# verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
+COLD_PROCESS = (
+    "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
+    "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t)"
+)
+
+def head_microbench(ref) -> dict:
+    """The final-state pass's parts on one 8,192-position chunk (ms), and FinalHead on 96 chunks
+    from 16 threads with 1-3 GPU slots (s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from pipeline import verify_scan
+
+    dev, bf16 = ref.device, torch.bfloat16
+    if dev.type != "cuda":
+        return {"skipped": "no GPU"}
+    weight = ref.lm_head.weight.detach().to(bf16)
+    n, hidden = verify_scan.FINAL_CHUNK_POSITIONS, weight.shape[1]
+    x = torch.randn(n, hidden, device=dev, dtype=bf16)
+
+    def ms(fn, reps=10):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t) / reps * 1e3, 2)
+
+    out = {"mm_bf16_out_ms": ms(lambda: torch.mm(x, weight.t())),
+           "mm_fp32_out_ms": ms(lambda: torch.mm(x, weight.t(), out_dtype=torch.float32))}
+    logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    out["argmax_fp32_ms"] = ms(lambda: logits.argmax(-1))
+    out["norm_fp32_ms"] = ms(lambda: ref.final_norm(x.float()))
+    logits = None  # 4 GiB
+    host = torch.randn(n, hidden).to(bf16)
+    pinned = host.pin_memory()
+    out["h2d_pageable_ms"] = ms(lambda: host.to(dev))
+    out["h2d_pinned_ms"] = ms(lambda: pinned.to(dev, non_blocking=True))
+    t = time.perf_counter()
+    for _ in range(10):
+        host.pin_memory()
+    out["pin_memory_copy_ms"] = round((time.perf_counter() - t) * 100, 2)
+    chunks = 96
+    states = torch.empty(chunks * n, hidden, dtype=bf16).normal_()
+    slots_before = verify_scan.FINAL_HEAD_SLOTS
+    for slots in (1, 2, 3):
+        verify_scan.FINAL_HEAD_SLOTS = slots
+        head = verify_scan.FinalHead(ref)
+        head.argmax(states[:n])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i, head=head: head.argmax(states[i * n : (i + 1) * n]), range(chunks)))
+        out[f"final_head_{chunks}_chunks_{slots}_slots_s"] = round(time.perf_counter() - t, 3)
+    verify_scan.FINAL_HEAD_SLOTS = slots_before
+    return out
 
 
 def job_verify_all(state: dict, name: str) -> dict:
-    """The verify stage on every shard of the stage's extraction, in each of VERIFY_MODES, timed
-    against that extraction (issue 4's budget: verify <= 5% of extraction time)."""
+    """The verify stage on every shard of the stage's extraction, in a fresh interpreter and then
+    in each of VERIFY_MODES, timed against that extraction (issue 4's budget: verify <= 5% of
+    extraction time)."""
     from pipeline import layout
     from pipeline.stages import verify
 
@@ -1350,15 +1420,6 @@ def job_verify_all(state: dict, name: str) -> dict:
             return r
 
         setattr(verify, fn, timed)
-    load_reference = verify.ReferenceModel.load
-
-    def timed_load(*a, **kw):  # the fp32 reference, and the bf16 one inside check_reference
-        t = time.monotonic()
-        r = load_reference(*a, **kw)
-        timings["reference_loads_s"] = round(timings.get("reference_loads_s", 0) + time.monotonic() - t, 2)
-        return r
-
-    verify.ReferenceModel.load = timed_load
     extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
     extract_run_s = extract["wall_s"] - extract.get("engine_load_s", 0)
     summary = {
@@ -1367,6 +1428,21 @@ def job_verify_all(state: dict, name: str) -> dict:
         "extract_tok_s": extract.get("tok_per_s"),
         "extract_time_s": extract.get("time_s"),
     }
+    model_dir = json.loads((proj / "artifacts/model/target.json").read_text())["path"]
+    t = time.monotonic()
+    cold = subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
+    wall = time.monotonic() - t
+    line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
+    summary["cold_process"] = {
+        "passed": cold.returncode == 0,
+        "process_wall_s": round(wall, 2),
+        "imports_s": round(float(line.split()[1]), 2) if line else None,
+        "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
+        "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
+        "metrics": {k: v for k, v in json.loads((proj / layout.METRICS / "verify.json").read_text()).items()
+                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 else None,
+    }
+    log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
     for mode, params in VERIFY_MODES.items():
         timings.clear()
         failed, verify_s = _run_verify(proj, **params)
@@ -1379,6 +1455,10 @@ def job_verify_all(state: dict, name: str) -> dict:
             "verify_s": round(verify_s, 2),
             **timings,
             "scan_s": metrics.get("scan_seconds"),
+            "reference_load": metrics.get("reference_load"),
+            "reference_load_seconds": metrics.get("reference_load_seconds"),
+            "reference_check_seconds": metrics.get("reference_check_seconds"),
+            "verify_seconds": metrics.get("verify_seconds"),
             "scan_thread_seconds": metrics.get("scan_thread_seconds"),
             "final_state_head": metrics.get("final_state_head"),
             "masked_positions": metrics.get("masked_positions"),
@@ -1395,6 +1475,25 @@ def job_verify_all(state: dict, name: str) -> dict:
             "checks": metrics.get("checks"),
         }
         log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
+    # the data pass alone: references loaded beforehand (what grows with the data, without the
+    # load it otherwise overlaps)
+    from pipeline import reference
+
+    meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
+    preloaded = reference.load_references(Path(model_dir), meta["dtype"])
+    verify.load_references = lambda *a, **k: preloaded
+    timings.clear()
+    failed, verify_s = _run_verify(proj)
+    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+    summary["references_preloaded"] = {
+        "passed": failed is None, "failure": failed, "verify_s": round(verify_s, 2), **timings,
+        "scan_s": metrics.get("scan_seconds"), "reference_check_seconds": metrics.get("reference_check_seconds"),
+        "scan_thread_seconds": metrics.get("scan_thread_seconds"),
+        "scan_over_extract_after_load": round(metrics["scan_seconds"] / extract_run_s, 4),
+    }
+    log(f"verifyall {name} references_preloaded: {json.dumps(summary['references_preloaded'])}")
+    summary["head_microbench"] = head_microbench(preloaded.fp32)
+    log(f"verifyall {name} head_microbench: {json.dumps(summary['head_microbench'])}")
     log(f"verifyall {name}: {json.dumps(summary)}")
     return {"summary": summary}
 

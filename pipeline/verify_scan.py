@@ -16,9 +16,12 @@ zeros) is worked out only for a sample already known bad.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from pipeline import shard_stats
-from pipeline.reference import ReferenceModel
+from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shards import FORMAT_NAME, SAFETENSORS_DTYPES, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
 
@@ -84,15 +87,23 @@ class ScanContext:
     hidden_size: int
     dtype: torch.dtype
     prepared: PreparedTokens
-    reference: ReferenceModel
+    # the fp32 final norm + lm_head: loaded alone before the scan, or (where that cannot be done
+    # exactly) the full fp32 reference's, which loads while the shards' other checks run
+    head_model: Callable[[], ReferenceModel | FinalHeadModel]
     audit: frozenset[str] = frozenset()  # shard names read in full: sha256 and statistics re-derived
     hash_all: bool = False  # re-hash every shard, not only the audited ones
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
-    final_head: FinalHead = field(init=False)  # lm_head(norm(.)) of `reference` for the final-state pass
+    _final_head: FinalHead | None = field(default=None, init=False, repr=False)
+    _final_head_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    def __post_init__(self) -> None:
-        self.final_head = FinalHead(self.reference)
+    @property
+    def final_head(self) -> FinalHead:
+        """lm_head(norm(.)) in fp32; the first caller may wait for the full reference to load."""
+        with self._final_head_lock:
+            if self._final_head is None:
+                self._final_head = FinalHead(self.head_model())
+            return self._final_head
 
 
 @dataclass
@@ -122,10 +133,9 @@ class ShardScan:
 
 
 # [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
-# lm_head in chunks, and at most two threads hold a chunk's logits at once (the GPU runs one
-# matmul at a time anyway)
+# lm_head in chunks, and at most two chunks are on the GPU at once
 FINAL_CHUNK_POSITIONS = 8192
-_final_head_slots = threading.BoundedSemaphore(2)
+FINAL_HEAD_SLOTS = 2
 
 
 class FinalHead:
@@ -136,24 +146,32 @@ class FinalHead:
     GPU it runs lm_head on bf16 tensor cores with fp32 outputs (`mode` "bf16-fp32": the norm in
     fp32, its output and the weight rounded to bf16, as the target itself serves), or, where
     torch lacks `mm(..., out_dtype=)`, as a TF32 matmul ("tf32"); on a CPU in the reference's
-    fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this.
+    fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this. On a GPU each of
+    the two slots has a CUDA stream of its own and chunks go up from pinned memory, so one chunk's
+    copy overlaps the other's matmul (on one stream, pageable copies left the GPU idle ~40%).
     """
 
-    def __init__(self, reference: ReferenceModel) -> None:
+    def __init__(self, reference: ReferenceModel | FinalHeadModel) -> None:
         self.reference = reference
         self.mode, self.weight = "fp32", None
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()
         head = reference.lm_head
         if reference.device.type != "cuda":
+            for _ in range(FINAL_HEAD_SLOTS):
+                self._slots.put(None)
             return
+        for _ in range(FINAL_HEAD_SLOTS):
+            self._slots.put(torch.cuda.Stream(reference.device))
         self.mode = "tf32"
-        if getattr(head, "bias", None) is not None:
-            return
-        weight = head.weight.detach().to(torch.bfloat16)
-        try:
-            torch.mm(weight[:2], weight[:2].t(), out_dtype=torch.float32)
-        except (TypeError, RuntimeError, NotImplementedError):
-            return
-        self.mode, self.weight = "bf16-fp32", weight
+        if getattr(head, "bias", None) is None:
+            weight = head.weight.detach().to(torch.bfloat16)
+            try:
+                torch.mm(weight[:2], weight[:2].t(), out_dtype=torch.float32)
+                self.mode, self.weight = "bf16-fp32", weight
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
+        # the slots' streams must see the weights, which were made on the loading thread's stream
+        torch.cuda.synchronize(reference.device)
 
     @torch.inference_mode()
     def argmax(self, final_states: torch.Tensor) -> torch.Tensor:
@@ -161,14 +179,22 @@ class FinalHead:
         out = []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
             chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
-            with _final_head_slots:
-                if self.weight is None:
-                    logits = self.reference.final_logits(chunk)
-                else:
-                    normed = self.reference.final_norm(chunk.to(self.reference.device).to(self.reference.dtype))
-                    logits = torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
-                out.append(logits.argmax(-1).cpu())
+            if self.reference.device.type == "cuda":
+                chunk = chunk.pin_memory()  # a host copy, outside the slot: threads do it in parallel
+            stream = self._slots.get()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
+            finally:
+                self._slots.put(stream)
         return torch.cat(out)
+
+    def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.reference.final_logits(chunk.to(self.reference.device, non_blocking=True))
+        states = chunk.to(self.reference.device, non_blocking=True).to(self.reference.dtype)
+        normed = self.reference.final_norm(states)
+        return torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
 
 
 def default_workers() -> int:

@@ -22,6 +22,7 @@ import math
 import random
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, REPORTS, VERIFY_VERDICT
 from pipeline.params import VerifyParams
-from pipeline.reference import DTYPES, ReferenceModel
+from pipeline.reference import DTYPES, FinalHeadModel, References, load_final_head, load_references
 from pipeline.shards import read_meta
 from pipeline.target import load_target
 from pipeline.verify_scan import Finding, PreparedTokens, ScanContext, default_workers, scan_shards
@@ -76,18 +77,31 @@ def run(params: VerifyParams) -> None:
     meta = read_meta(HIDDEN_STATES_DIR)
     if not meta.get("complete"):
         raise VerifyFailed(f"{HIDDEN_STATES_DIR}: extraction is not complete (extract_meta.json complete=false); re-run extract")
+    VERIFY_VERDICT.unlink(missing_ok=True)  # a stale "passed" must never outlive a failed run
+    report = Report()
+    layer_ids: list[int] = list(meta["layer_ids"])
+    workers = params.workers or default_workers()
     from datasets import load_from_disk
 
     prepared = load_from_disk(str(PREPARED_DATASET))
-    VERIFY_VERDICT.unlink(missing_ok=True)  # a stale "passed" must never outlive a failed run
-
-    report = Report()
-    layer_ids: list[int] = list(meta["layer_ids"])
-    reference = ReferenceModel.load(target.path, "float32", target.trust_remote_code)
-
-    workers = params.workers or default_workers()
-    sample_to_shard = check_structure_and_values(report, params, meta, prepared, reference, target.hidden_size, workers)
-    check_reference(report, params, meta, layer_ids, reference, target, sample_to_shard)
+    # The final-state pass needs only the final norm and lm_head: loaded alone first (this also
+    # starts the GPU and imports the model's code, before the scan's threads compete for the GIL),
+    # they let the scan run while the full references load in the background.
+    head = load_final_head(target.path, target.trust_remote_code)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-reference") as loader:
+        references = loader.submit(load_references, target.path, meta["dtype"], target.trust_remote_code)
+        if isinstance(head, FinalHeadModel):
+            report.summary["final_state_head_source"] = f"final norm + lm_head loaded alone ({head.seconds:.2f} s)"
+            head_model = lambda: head  # noqa: E731
+        else:
+            report.summary["final_state_head_source"] = f"the full fp32 reference's ({head})"
+            head_model = lambda: references.result().fp32  # noqa: E731
+        sample_to_shard = check_structure_and_values(report, params, meta, prepared, head_model, target.hidden_size, workers)
+        refs = references.result()
+    report.summary.update(reference_load=refs.how, reference_load_seconds=round(refs.seconds, 3))
+    t0 = time.perf_counter()
+    check_reference(report, params, meta, layer_ids, refs, sample_to_shard)
+    report.summary["reference_check_seconds"] = round(time.perf_counter() - t0, 3)
     check_final_state_rates(report, params)
     report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
     extract_metrics = METRICS / "extract.json"
@@ -131,7 +145,7 @@ def tf32_matmuls():
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def check_structure_and_values(report: Report, params: VerifyParams, meta: dict, prepared, reference: ReferenceModel, hidden_size: int, workers: int) -> dict[int, Path]:
+def check_structure_and_values(report: Report, params: VerifyParams, meta: dict, prepared, head_model, hidden_size: int, workers: int) -> dict[int, Path]:
     layer_ids = meta["layer_ids"]
     dtype = DTYPES[meta["dtype"]]
     itemsize = torch.tensor([], dtype=dtype).element_size()
@@ -143,7 +157,7 @@ def check_structure_and_values(report: Report, params: VerifyParams, meta: dict,
         report.fail("structure", f"no shards in {HIDDEN_STATES_DIR}")
     audit = audit_selection([p.stem for p in files], params)
     context = ScanContext(
-        layer_ids, hidden_size, dtype, PreparedTokens(prepared), reference,
+        layer_ids, hidden_size, dtype, PreparedTokens(prepared), head_model,
         audit=audit, hash_all=params.hash_all_shards,
         final_state_positions=params.final_state_positions_per_shard, seed=params.seed,
     )
@@ -257,7 +271,7 @@ def check_final_state_rates(report: Report, params: VerifyParams) -> None:
 # ---------------------------------------------------------------- reference agreement
 
 
-def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids: list[int], reference: ReferenceModel, target, sample_to_shard: dict[int, Path]) -> None:
+def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids: list[int], refs: References, sample_to_shard: dict[int, Path]) -> None:
     num_layers = meta["num_layers"]
     report.summary["final_layer_id"] = layer_ids[-1]
     if layer_ids[-1] != num_layers:
@@ -267,8 +281,8 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
         return
     rng = random.Random(params.seed)
     chosen = sorted(rng.sample(candidates, min(params.reference_samples, len(candidates))))
-    calibrate = meta["dtype"] != "float32"
-    low_precision = ReferenceModel.load(target.path, meta["dtype"], target.trust_remote_code) if calibrate else None
+    reference, low_precision = refs.fp32, refs.low
+    calibrate = low_precision is not None
 
     per_layer: dict[int, list[agreement.Closeness]] = defaultdict(list)
     pooled: dict[int, agreement.PooledError] = defaultdict(agreement.PooledError)
@@ -551,6 +565,10 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
             out.append(f"| {name} | " + " | ".join(f"{v['rms']:.4g}" for v in stats.values()) + " |")
         out.append("")
     out.append(f"Verify took {s.get('verify_seconds')} s" + (f" ({s['verify_over_extract_time']:.1%} of extraction time)." if "verify_over_extract_time" in s else "."))
+    out.append(
+        f"Reference models: {s.get('reference_load')} ({s.get('reference_load_seconds')} s, while the shards were scanned); "
+        f"shard scan {s.get('scan_seconds')} s; reference forwards and comparisons {s.get('reference_check_seconds')} s."
+    )
     return "\n".join(out) + "\n"
 
 
