@@ -1337,8 +1337,9 @@ VERIFY_MODES = {  # "default" first in this process: it pays the process's first
     "default": {},
     "default_again": {},
     "sampled_positions": {"final_state_positions_per_shard": 2048},
-    "read_all": {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None},
 }
+if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
+    VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
 # verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
 COLD_PROCESS = (
     "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
@@ -1492,7 +1493,8 @@ def job_verify_all(state: dict, name: str) -> dict:
         "scan_over_extract_after_load": round(metrics["scan_seconds"] / extract_run_s, 4),
     }
     log(f"verifyall {name} references_preloaded: {json.dumps(summary['references_preloaded'])}")
-    summary["head_microbench"] = head_microbench(preloaded.fp32)
+    if os.environ.get("VERIFY_HEAD_MICROBENCH") == "1":
+        summary["head_microbench"] = head_microbench(preloaded.fp32)
     log(f"verifyall {name} head_microbench: {json.dumps(summary['head_microbench'])}")
     log(f"verifyall {name}: {json.dumps(summary)}")
     return {"summary": summary}

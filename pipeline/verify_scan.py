@@ -153,6 +153,7 @@ class FinalHead:
 
     def __init__(self, reference: ReferenceModel | FinalHeadModel) -> None:
         self.reference = reference
+        self.wants_pinned = reference.device.type == "cuda"  # chunks copied up from page-locked memory
         self.mode, self.weight = "fp32", None
         self._slots: queue.SimpleQueue = queue.SimpleQueue()
         head = reference.lm_head
@@ -174,19 +175,31 @@ class FinalHead:
         torch.cuda.synchronize(reference.device)
 
     @torch.inference_mode()
-    def argmax(self, final_states: torch.Tensor) -> torch.Tensor:
-        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU."""
+    def argmax(self, final_states: torch.Tensor, seconds: dict | None = None) -> torch.Tensor:
+        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU. `seconds`
+        (optional) accumulates where the time went: head_pin, head_slot_wait, head_compute."""
+        seconds = {} if seconds is None else seconds
+
+        def lap(key: str, since: float) -> float:
+            now = time.perf_counter()
+            seconds[key] = seconds.get(key, 0.0) + now - since
+            return now
+
         out = []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
+            t = time.perf_counter()
             chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
-            if self.reference.device.type == "cuda":
+            if self.wants_pinned and not chunk.is_pinned():
                 chunk = chunk.pin_memory()  # a host copy, outside the slot: threads do it in parallel
+                t = lap("head_pin", t)
             stream = self._slots.get()
+            t = lap("head_slot_wait", t)
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
             finally:
                 self._slots.put(stream)
+                lap("head_compute", t)
         return torch.cat(out)
 
     def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
@@ -214,7 +227,9 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
     if not manifest_path(path).is_file():
         scan.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume")
         return scan
+    t = time.perf_counter()
     manifest = read_manifest(path)
+    scan.timed("manifest", t)
     if manifest.get("format") != FORMAT_NAME:
         scan.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
         return scan
@@ -236,11 +251,13 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
         scan.hashed = True
     scan.bytes = size
     sample_ids = list(manifest["sample_ids"])
+    t = time.perf_counter()
     try:
         header, data_start = read_header(path)
     except (ValueError, KeyError, TypeError) as e:
         scan.fail("structure", f"unreadable safetensors file: {e}")
         return scan
+    scan.timed("header", t)
     keys = set(header)
     expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
     if keys != expected_keys:
@@ -289,9 +306,9 @@ class _ShardView:
 def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
-    final_states, next_ids = [], []
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
     in_shard: set[int] = set()
+    loop_started = time.perf_counter()
     for sid in sample_ids:
         if sid in in_shard:
             scan.fail("structure", "duplicate sample id within the shard's manifest", sample=sid)
@@ -338,18 +355,17 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
             masked.append((name, positions, ids))
+    # the per-sample checks (ids, masks, shapes, records) without the audit's reading
+    scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
     scan.masked_positions = sum(p.numel() for _, p, _ in masked)
-    for name, positions, ids in sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name):
-        # the final layer's rows at those positions only: 1/L of those rows' bytes
+    chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
+    if chosen:  # one lm_head pass for the shard
         t = time.perf_counter()
-        final_states.append(shard.tensor(name, rows=(positions.numpy(), num_layers - 1)))
-        scan.timed("read_final_rows", t)
-        next_ids.append(ids[positions + 1])
-    if final_states:  # one lm_head pass for the shard
-        t = time.perf_counter()
-        pred = ctx.final_head.argmax(torch.cat(final_states))
+        states = read_final_rows(shard, chosen, num_layers - 1, ctx.hidden_size, pinned=ctx.final_head.wants_pinned)
+        t = scan.timed("read_final_rows", t)
+        pred = ctx.final_head.argmax(states, scan.seconds)
         scan.timed("final_lm_head", t)
-        targets = torch.cat(next_ids)
+        targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
         scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)
     mean = sums[:, 0] / count
@@ -363,6 +379,29 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
+
+
+def read_final_rows(shard: _ShardView, chosen: list, layer: int, hidden: int, pinned: bool) -> torch.Tensor:
+    """The final layer's rows at the chosen positions of each sample, [P, H], read straight from the
+    memory map into one buffer (page-locked when lm_head runs on a GPU: its copy up is then direct)."""
+    total = sum(positions.numel() for _, positions, _ in chosen)
+    dtype = shard.dtype(chosen[0][0])
+    out = torch.empty((total, hidden), dtype=dtype, pin_memory=pinned)
+    out_np = (out.view(torch.int16) if dtype == torch.bfloat16 else out).numpy()
+    start = 0
+    for name, positions, _ in chosen:
+        rows, idx = shard.numpy(name)[:, layer], positions.numpy()
+        # masked positions come in spans (assistant turns): a span is one strided slice copy, much
+        # faster than a gather; sampled positions (mostly isolated) are gathered
+        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
+        if len(breaks) < len(idx) // 8:
+            for span in np.split(idx, breaks):
+                out_np[start : start + len(span)] = rows[span[0] : span[-1] + 1]
+                start += len(span)
+        else:
+            out_np[start : start + len(idx)] = rows[idx]
+            start += len(idx)
+    return out
 
 
 def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:

@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.reference import FinalHeadModel, ReferenceModel, checkpoint_float_elements, load_final_head, load_references
+from pipeline.reference import (
+    FinalHeadModel,
+    ReferenceModel,
+    checkpoint_float_elements,
+    load_final_head,
+    load_references,
+)
 from tests.conftest import build_tiny_deepseek_v3, build_tiny_llama
 
 

@@ -354,3 +354,26 @@ def test_per_shard_accuracy_alarm_needs_evidence():
     assert failures(0.004, {"a": (0.0, 2000), "b": (0.006, 2000)}) == []
     # too few positions to tell
     assert failures(0.8, {"a": (0.1, 20)}) == []
+
+
+def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
+    """Spans of positions (strided slice copies) and scattered ones (a gather) read the same rows."""
+    import numpy as np
+
+    from pipeline.shards import read_header
+    from pipeline.verify_scan import _ShardView, read_final_rows
+
+    path = shards(project)[0]
+    tensors = load_file(path)
+    header, start = read_header(path)
+    view = _ShardView(np.memmap(path, dtype=np.uint8, mode="r"), header, start)
+    names = [k for k in tensors if k.endswith("/hidden_states")][:3]
+    spans = torch.cat([torch.arange(2, 9), torch.arange(11, 15)])  # two spans
+    scattered = torch.tensor([0, 3, 5, 8, 13, 17])
+    chosen = [(names[0], spans, None), (names[1], scattered, None), (names[2], torch.tensor([4]), None)]
+    hidden = tensors[names[0]].shape[-1]
+
+    rows = read_final_rows(view, chosen, layer=-1 % tensors[names[0]].shape[1], hidden=hidden, pinned=False)
+
+    expected = torch.cat([tensors[name][positions, -1] for name, positions, _ in chosen])
+    assert rows.dtype == expected.dtype and torch.equal(rows, expected)
