@@ -1430,8 +1430,9 @@ def job_verify_all(state: dict, name: str) -> dict:
         "extract_time_s": extract.get("time_s"),
     }
     model_dir = json.loads((proj / "artifacts/model/target.json").read_text())["path"]
+    only_preloaded = os.environ.get("VERIFY_ONLY_PRELOADED") == "1"  # the data pass alone, nothing else
     t = time.monotonic()
-    cold = subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
+    cold = subprocess.CompletedProcess([], 0, "", "") if only_preloaded else subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
     wall = time.monotonic() - t
     line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
     summary["cold_process"] = {
@@ -1441,10 +1442,10 @@ def job_verify_all(state: dict, name: str) -> dict:
         "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
         "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
         "metrics": {k: v for k, v in json.loads((proj / layout.METRICS / "verify.json").read_text()).items()
-                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 else None,
+                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 and not only_preloaded else None,
     }
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
-    for mode, params in VERIFY_MODES.items():
+    for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
         timings.clear()
         failed, verify_s = _run_verify(proj, **params)
         metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
@@ -1483,19 +1484,21 @@ def job_verify_all(state: dict, name: str) -> dict:
     meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
     preloaded = reference.load_references(Path(model_dir), meta["dtype"])
     verify.load_references = lambda *a, **k: preloaded
-    timings.clear()
-    failed, verify_s = _run_verify(proj)
-    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
-    summary["references_preloaded"] = {
-        "passed": failed is None, "failure": failed, "verify_s": round(verify_s, 2), **timings,
-        "scan_s": metrics.get("scan_seconds"), "reference_check_seconds": metrics.get("reference_check_seconds"),
-        "scan_thread_seconds": metrics.get("scan_thread_seconds"),
-        "scan_over_extract_after_load": round(metrics["scan_seconds"] / extract_run_s, 4),
-    }
-    log(f"verifyall {name} references_preloaded: {json.dumps(summary['references_preloaded'])}")
+    for mode, params in {"references_preloaded": {}, "references_preloaded_sampled_positions": VERIFY_MODES["sampled_positions"]}.items():
+        timings.clear()
+        failed, verify_s = _run_verify(proj, **params)
+        metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+        summary[mode] = {
+            "passed": failed is None, "failure": failed, "verify_s": round(verify_s, 2), **timings,
+            "scan_s": metrics.get("scan_seconds"), "reference_check_seconds": metrics.get("reference_check_seconds"),
+            "final_state_positions": metrics.get("final_state_positions"),
+            "scan_thread_seconds": metrics.get("scan_thread_seconds"),
+            "scan_over_extract_after_load": round(metrics["scan_seconds"] / extract_run_s, 4),
+        }
+        log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
     if os.environ.get("VERIFY_HEAD_MICROBENCH") == "1":
         summary["head_microbench"] = head_microbench(preloaded.fp32)
-    log(f"verifyall {name} head_microbench: {json.dumps(summary['head_microbench'])}")
+        log(f"verifyall {name} head_microbench: {json.dumps(summary['head_microbench'])}")
     log(f"verifyall {name}: {json.dumps(summary)}")
     return {"summary": summary}
 
