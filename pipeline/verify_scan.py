@@ -148,7 +148,8 @@ class FinalHead:
     torch lacks `mm(..., out_dtype=)`, as a TF32 matmul ("tf32"); on a CPU in the reference's
     fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this. On a GPU each of
     the two slots has a CUDA stream of its own and chunks go up from pinned memory, so one chunk's
-    copy overlaps the other's matmul (on one stream, pageable copies left the GPU idle ~40%).
+    copy overlaps the other's matmul (an 8,192-position chunk's pageable copy up took as long as its
+    matmul on an H200, 12.5 against 12.7 ms; from page-locked memory 1.2 ms).
     """
 
     def __init__(self, reference: ReferenceModel | FinalHeadModel) -> None:

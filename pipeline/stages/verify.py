@@ -90,12 +90,14 @@ def run(params: VerifyParams) -> None:
     head = load_final_head(target.path, target.trust_remote_code)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-reference") as loader:
         references = loader.submit(load_references, target.path, meta["dtype"], target.trust_remote_code)
-        if isinstance(head, FinalHeadModel):
-            report.summary["final_state_head_source"] = f"final norm + lm_head loaded alone ({head.seconds:.2f} s)"
-            head_model = lambda: head  # noqa: E731
-        else:
-            report.summary["final_state_head_source"] = f"the full fp32 reference's ({head})"
-            head_model = lambda: references.result().fp32  # noqa: E731
+        alone = isinstance(head, FinalHeadModel)
+        report.summary["final_state_head_source"] = (
+            f"final norm + lm_head loaded alone ({head.seconds:.2f} s)" if alone else f"the full fp32 reference's ({head})"
+        )
+
+        def head_model():
+            return head if alone else references.result().fp32
+
         sample_to_shard = check_structure_and_values(report, params, meta, prepared, head_model, target.hidden_size, workers)
         refs = references.result()
     report.summary.update(reference_load=refs.how, reference_load_seconds=round(refs.seconds, 3))
