@@ -16,11 +16,23 @@ from pathlib import Path
 
 import torch
 
+from pipeline.shards import read_header
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+class FinalLogits:
+    """lm_head(norm(h)) for final (pre-norm) states [T, H]: what the target predicts (for a class
+    with `final_norm`, `lm_head`, `device` and `dtype`)."""
+
+    @torch.inference_mode()
+    def final_logits(self, final_state: torch.Tensor) -> torch.Tensor:
+        h = final_state.to(self.device).to(self.dtype)
+        return self.lm_head(self.final_norm(h)).float()
+
+
 @dataclass
-class ReferenceModel:
+class ReferenceModel(FinalLogits):
     model: torch.nn.Module
     dtype: torch.dtype
     device: torch.device = torch.device("cpu")
@@ -75,15 +87,9 @@ class ReferenceModel:
         hidden.append(last[0] if last.dim() == 3 else last)
         return torch.stack(hidden)
 
-    @torch.inference_mode()
-    def final_logits(self, final_state: torch.Tensor) -> torch.Tensor:
-        """lm_head(norm(h)) for final (pre-norm) states [T, H]: what the target predicts."""
-        h = final_state.to(self.device).to(self.dtype)
-        return self.lm_head(self.final_norm(h)).float()
-
 
 @dataclass
-class FinalHeadModel:
+class FinalHeadModel(FinalLogits):
     """The target's final norm and lm_head alone, in fp32, on the reference's device: all that the
     final-state pass needs, so it can start while the full references are still loading."""
 
@@ -92,11 +98,6 @@ class FinalHeadModel:
     device: torch.device
     seconds: float
     dtype: torch.dtype = torch.float32
-
-    @torch.inference_mode()
-    def final_logits(self, final_state: torch.Tensor) -> torch.Tensor:
-        h = final_state.to(self.device).to(self.dtype)
-        return self.lm_head(self.final_norm(h)).float()
 
 
 def load_final_head(path: Path, trust_remote_code: bool = False, device: str | None = None) -> FinalHeadModel | str:
@@ -148,9 +149,7 @@ def tensor_locations(path: Path) -> dict[str, Path]:
         return {k: path / v for k, v in json.loads(index.read_text())["weight_map"].items()}
     out: dict[str, Path] = {}
     for file in sorted(path.glob("*.safetensors")):
-        with open(file, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        out |= {k: file for k in header if k != "__metadata__"}
+        out |= dict.fromkeys(read_header(file)[0], file)
     return out
 
 
@@ -163,11 +162,8 @@ def checkpoint_float_elements(path: Path) -> dict[str, int]:
     """Elements per floating-point dtype over a checkpoint's tensors, from its safetensors headers."""
     counts: dict[str, int] = {}
     for file in sorted(Path(path).glob("*.safetensors")):
-        with open(file, "rb") as f:
-            size = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(size))
-        for key, entry in header.items():
-            if key == "__metadata__" or entry["dtype"].startswith(("I", "U", "BOOL")):
+        for entry in read_header(file)[0].values():
+            if entry["dtype"].startswith(("I", "U", "BOOL")):
                 continue
             name = _SAFETENSORS_FLOAT.get(entry["dtype"], entry["dtype"])
             counts[name] = counts.get(name, 0) + math.prod(entry["shape"])

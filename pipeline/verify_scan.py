@@ -176,16 +176,10 @@ class FinalHead:
         torch.cuda.synchronize(reference.device)
 
     @torch.inference_mode()
-    def argmax(self, final_states: torch.Tensor, seconds: dict | None = None) -> torch.Tensor:
-        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU. `seconds`
-        (optional) accumulates where the time went: head_pin, head_slot_wait, head_compute."""
-        seconds = {} if seconds is None else seconds
-
-        def lap(key: str, since: float) -> float:
-            now = time.perf_counter()
-            seconds[key] = seconds.get(key, 0.0) + now - since
-            return now
-
+    def argmax(self, final_states: torch.Tensor, timed: Callable[[str, float], float] | None = None) -> torch.Tensor:
+        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU. `timed`
+        (e.g. `ShardScan.timed`) is told where the time went: head_pin, head_slot_wait, head_compute."""
+        lap = timed or (lambda _key, _since: time.perf_counter())
         out = []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
             t = time.perf_counter()
@@ -364,7 +358,7 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         t = time.perf_counter()
         states = read_final_rows(shard, chosen, num_layers - 1, ctx.hidden_size, pinned=ctx.final_head.wants_pinned)
         t = scan.timed("read_final_rows", t)
-        pred = ctx.final_head.argmax(states, scan.seconds)
+        pred = ctx.final_head.argmax(states, scan.timed)
         scan.timed("final_lm_head", t)
         targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
         scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
