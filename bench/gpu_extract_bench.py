@@ -1018,8 +1018,10 @@ def job_tune(state: dict, name: str) -> dict:
 
     vllm_compat.HiddenStatesEngine = engine_factory
     E.close = lambda self: None
+    from pipeline.extraction import engine as extraction_engine
+
     new = _load_extract(state, baseline=False)
-    default_workers = new.shard_workers()
+    default_workers = extraction_engine.shard_workers()
     variants = [
         ("new-default", None),
         ("new-w16", 16),
@@ -1041,7 +1043,7 @@ def job_tune(state: dict, name: str) -> dict:
         else:
             module = new
             workers = how or default_workers
-            module.shard_workers = lambda w=workers: w
+            extraction_engine.shard_workers = lambda w=workers: w  # what extract_shards calls
         try:
             runs[label] = _stage_once(state, name, module)
             runs[label]["shard_workers"] = None if how == "baseline" else (how or default_workers)
@@ -1506,14 +1508,15 @@ def job_verify_all(state: dict, name: str) -> dict:
 def job_ray(state: dict, name: str) -> dict:
     """extract.engine: ray on a Ray cluster this child starts on the host (one node; each replica
     gets one GPU, or one CPU in smoke mode). The stage finds Ray initialised and uses that cluster
-    (pipeline/ray_extract.connect); the cluster ends with ray.shutdown() before the result is written."""
+    (pipeline/extraction/ray.connect); the cluster ends with ray.shutdown() before the result is written."""
     import tempfile
 
     try:
         import ray
     except Exception as e:  # the GPU image may lack Ray: a clean skip, not a failed bench
         return {"summary": {"skipped": f"ray not importable ({type(e).__name__}: {e})"}}
-    from pipeline import layout, ray_extract
+    from pipeline import layout
+    from pipeline.extraction import ray as ray_extract
     from pipeline.stages import extract
 
     _patch_eager_for_moe(state, name)

@@ -28,7 +28,7 @@ import yaml
 
 from pipeline import layout, shards
 from pipeline.atomic import TMP_MARK
-from pipeline.stages.extract import KILL_AT_ENV
+from pipeline.extraction.engine import KILL_AT_ENV
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
 

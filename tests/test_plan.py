@@ -2,7 +2,7 @@
 
 The refusal is tested through the real CLI entry (`python -m pipeline run extract`, launcher
 included) in a child process, with the free bytes the output's filesystem reports made small by the
-plan module's test hook (EAGLE3_TEST_FREE_BYTES); the projection is checked against the bytes a
+test hook of pipeline/extraction/capacity.py (EAGLE3_TEST_FREE_BYTES); the projection is checked against the bytes a
 real extraction of the same data wrote.
 """
 
@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from pipeline import layout, plan
+from pipeline.extraction import capacity
 from pipeline.params import Params
 from tests.conftest import EXTRACT_PARAMS, copy_project
 
@@ -51,7 +52,7 @@ def test_extract_refuses_before_any_engine_when_the_disk_is_too_small(tmp_path, 
     need = projected(root, tok_per_s=1.0).need
     assert need.shard_bytes > 0 and need.required > need.needed > need.shard_bytes
     free = need.required - 1  # one byte short of the projection + margin
-    env = {**os.environ, "PYTHONPATH": str(ROOT), plan.FREE_BYTES_ENV: str(free)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT), capacity.FREE_BYTES_ENV: str(free)}
     proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert "EXIT=1 VLLM_IMPORTED=False" in proc.stdout, proc.stdout + proc.stderr
     msg = " ".join(proc.stderr.split())

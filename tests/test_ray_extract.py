@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout, ray_extract, shards
+from pipeline import layout, shards
 from pipeline.errors import PipelineError
+from pipeline.extraction import ray as ray_extract
 from pipeline.params import ExtractParams
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
@@ -167,7 +168,7 @@ def test_no_cluster_is_a_clear_error(tmp_path: Path):
     """No silent fallback to a local Ray: an address with no cluster fails, naming the key."""
     env = {**os.environ, "RAY_ADDRESS": ""}
     code = (
-        "from pipeline import ray_extract\nfrom pipeline.params import ExtractParams\n"
+        "from pipeline.extraction import ray as ray_extract\nfrom pipeline.params import ExtractParams\n"
         "with ray_extract.connect(ExtractParams(engine='ray', ray_address='127.0.0.1:1')):\n    pass\n"
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60, cwd=tmp_path)

@@ -24,8 +24,9 @@ from safetensors import SafetensorError
 
 from pipeline import layout, shards
 from pipeline.errors import PipelineError
+from pipeline.extraction.engine import KILL_AT_ENV
+from pipeline.extraction.output import no_space_reason
 from pipeline.launcher import lock_path
-from pipeline.stages.extract import KILL_AT_ENV, no_space_reason
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, TINY, copy_project, run_stage
 

@@ -8,8 +8,8 @@ run: plan the shards, keep the complete ones of the same run key (resume), write
   `replicas` x `tensor_parallel_size` x `pipeline_parallel_size` fit its GPUs (or, on a CPU
   cluster, `replicas` fit its CPUs, one per replica); the error names the keys and the numbers.
 - Each replica is a Ray actor holding one engine, started with the same engine arguments as a
-  local run (`extract.start_engine`), and computes a shard with the local code itself
-  (`extract.extract_shards` with the replica's engine), so it checks and writes the shard the same
+  local run (`engine.start_engine`), and computes a shard with the local code itself
+  (`engine.extract_shards` with the replica's engine), so it checks and writes the shard the same
   way, atomically, into the output directory, which every node must see at the same path (shared
   storage). Same samples, same code: the same bytes as a local run (tests/test_ray_extract.py).
 - Work stealing: an idle replica gets the next pending shards, up to `MAX_SHARDS_PER_CALL` at a
@@ -179,7 +179,7 @@ class ShardReplica:
         """Check this node sees the shared output, load the data and the engine; return where it runs."""
         import ray
 
-        from pipeline.stages import extract
+        from pipeline.extraction import engine, inputs
 
         host = socket.gethostname()
         try:
@@ -193,9 +193,9 @@ class ShardReplica:
             )
         t0 = time.monotonic()
         self.scratch = _scratch_dir()
-        self.ds, _ = extract.open_prepared(self.dataset)
+        self.ds, _ = inputs.open_prepared(self.dataset)
         extra = {"distributed_executor_backend": self.executor_backend} if self.executor_backend else {}
-        self.engine = extract.start_engine(
+        self.engine = engine.start_engine(
             self.params, self.target, self.layer_ids, self.max_model_len, self.scratch, **extra
         )
         return {"host": host, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
@@ -205,9 +205,9 @@ class ShardReplica:
         """Compute shards `indices` with the local stage's code and this replica's engine, streaming
         from one into the next as a local run does (the engine works on the next shard's requests
         while the last one is written); they land in `out`."""
-        from pipeline.stages import extract
+        from pipeline.extraction import engine
 
-        prog = extract.extract_shards(
+        prog = engine.extract_shards(
             self.params, self.target, self.layer_ids, self.max_model_len, self.ds, self.plan, list(indices), self.out,
             self.manifest_extra, engine=self.engine, show_progress=False,
         )
@@ -258,7 +258,7 @@ class Cluster:
         """Compute the `todo` shards on `params.replicas` replicas; return the stage's Progress."""
         from pipeline import layout
         from pipeline.atomic import remove_stale_temps
-        from pipeline.stages.extract import Progress
+        from pipeline.extraction.engine import Progress
 
         ray = self.ray
         replica_cls = ray.remote(ShardReplica)
