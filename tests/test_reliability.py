@@ -24,7 +24,6 @@ from safetensors import SafetensorError
 
 from pipeline import layout, shards
 from pipeline.errors import PipelineError
-from pipeline.extraction.engine import KILL_AT_ENV
 from pipeline.extraction.output import no_space_reason
 from pipeline.launcher import lock_path
 from pipeline.target import sha256_file
@@ -37,7 +36,6 @@ NUM_SHARDS = -(-NUM_PREPARED // SAMPLES_PER_SHARD)
 
 def extract_cmd(proj: Path, **popen) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
-    env.pop(KILL_AT_ENV, None)
     return subprocess.Popen(
         [sys.executable, "-m", "pipeline", "--params", "params.yaml", "run", "extract"],
         cwd=proj, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 import time
 from collections import deque
@@ -24,8 +23,7 @@ from tqdm import tqdm
 
 from pipeline import shard_stats, shards, vllm_compat
 from pipeline.errors import PipelineError
-from pipeline.extraction.inputs import ShardPlan, log
-from pipeline.layout import HIDDEN_STATES_DIR
+from pipeline.extraction.inputs import ShardPlan
 from pipeline.params import ExtractParams
 from pipeline.target import Target
 
@@ -35,56 +33,6 @@ from pipeline.target import Target
 # (40.2k tok/s, the engine at the plain-prefill rate). docs/BENCHMARKS.md has the runs.
 MAX_SHARD_WORKERS = 32
 POLL_S = 0.002
-
-
-# --- Fault-injection hook, for tests/test_extract_kill.py only; inert unless the variable is set. ---
-# EAGLE3_TEST_KILL_AT=<event>:<n> sends this process SIGKILL at the n-th occurrence of <event>:
-#   engine_started      the engine has loaded, no shard written yet (n = 1)
-#   shard_tmp_written   a shard's data is in its .tmp- file, which is first cut to half its size (a torn write)
-#   shard_data_renamed  a shard's data file is in place, its manifest not yet written
-#   shard_done          a shard's manifest is written (n = the number of shards this run computes: the last one)
-KILL_AT_ENV = "EAGLE3_TEST_KILL_AT"
-_kill_lock = threading.Lock()
-_kill_counts: dict[str, int] = {}
-
-
-def _kill_point(event: str, before=None) -> None:
-    spec = os.environ.get(KILL_AT_ENV)
-    if not spec or spec.rpartition(":")[0] != event:
-        return
-    with _kill_lock:
-        _kill_counts[event] = _kill_counts.get(event, 0) + 1
-        if _kill_counts[event] == int(spec.rpartition(":")[2]):
-            if before is not None:
-                before()
-            log(f"{KILL_AT_ENV}={spec}: SIGKILL")
-            os.kill(os.getpid(), signal.SIGKILL)
-            time.sleep(60)  # never reached
-
-
-def _install_kill_hook() -> None:
-    """Wrap the shard writer's file writes with the two in-write kill points (test runs only)."""
-    if not os.environ.get(KILL_AT_ENV) or getattr(shards, "_kill_hooked", False):
-        return
-    save_file, write_text = shards.save_file, shards.atomic_write_text
-
-    def in_output(path) -> bool:  # not the sample shard pipeline/plan.py writes to a temp dir
-        return Path(path).resolve().parent == HIDDEN_STATES_DIR.resolve()
-
-    def hooked_save_file(tensors, path, metadata=None):
-        save_file(tensors, path, metadata=metadata)
-        if in_output(path):
-            _kill_point("shard_tmp_written", before=lambda: os.truncate(path, os.path.getsize(path) // 2))
-
-    def hooked_write_text(final, text):
-        if Path(final).name.startswith("shard-") and in_output(final):
-            _kill_point("shard_data_renamed")
-        write_text(final, text)
-
-    shards.save_file, shards.atomic_write_text, shards._kill_hooked = hooked_save_file, hooked_write_text, True
-
-
-# --- end of the fault-injection hook ---
 
 
 @dataclass
@@ -174,7 +122,6 @@ def collect_shard(
         times["read_check"] += time.monotonic() - t1
     t2 = time.monotonic()
     manifest = shards.write_shard(out, index, samples, extra)
-    _kill_point("shard_done")
     times["write_shard"] += time.monotonic() - t2
     return len(samples), sum(len(s.input_ids) for s in samples), manifest["bytes"], times
 
@@ -233,7 +180,6 @@ def extract_shards(
         t_load = time.monotonic()
         engine = start_engine(params, target, layer_ids, max_model_len, scratch)
         prog.load_seconds = time.monotonic() - t_load
-        _kill_point("engine_started")
     shape = (len(layer_ids), target.hidden_size)
     prog.shard_workers = workers = shard_workers()
     max_tasks = 2 * workers

@@ -18,7 +18,7 @@ import time
 from pipeline import shards, vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
-from pipeline.extraction.engine import Progress, _install_kill_hook, extract_shards
+from pipeline.extraction.engine import Progress, extract_shards
 from pipeline.extraction.inputs import dataset_hash, log, open_prepared, plan_shards, run_key_fields
 from pipeline.extraction.output import check_free_space, no_space_reason, prepare_output_dir
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS
@@ -57,7 +57,6 @@ def run(params: ExtractParams) -> None:
 
 def _run(params: ExtractParams, cluster=None) -> None:
     t0 = time.monotonic()
-    _install_kill_hook()
     target = load_target()
     layer_ids = resolve_layer_ids(params.layer_ids, target.num_layers)
     ds, seq_lens = open_prepared()
