@@ -22,6 +22,7 @@ import pytest
 from pipeline import layout, shards
 from pipeline.errors import PipelineError
 from pipeline.extraction import ray as ray_extract
+from pipeline.extraction import ray_fit
 from pipeline.params import ExtractParams
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
@@ -130,8 +131,8 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     assert first.is_file() and not list(hs.glob("*.tmp-*"))
 
 
-def _nodes(*spec: tuple[float, float]) -> list[ray_extract.Node]:
-    return [ray_extract.Node(f"n{i}", cpus, gpus) for i, (cpus, gpus) in enumerate(spec)]
+def _nodes(*spec: tuple[float, float]) -> list[ray_fit.Node]:
+    return [ray_fit.Node(f"n{i}", cpus, gpus) for i, (cpus, gpus) in enumerate(spec)]
 
 
 @pytest.mark.parametrize(
@@ -150,7 +151,7 @@ def _nodes(*spec: tuple[float, float]) -> list[ray_extract.Node]:
 def test_cluster_too_small_fails_before_loading(params: dict, nodes: list, words: list[str]):
     p = ExtractParams(engine="ray", **params)
     with pytest.raises(PipelineError) as err:
-        ray_extract.replica_shape(p, _nodes(*nodes), "auto")
+        ray_fit.replica_shape(p, _nodes(*nodes), "auto")
     for w in words:
         assert w in str(err.value), str(err.value)
 
@@ -158,10 +159,10 @@ def test_cluster_too_small_fails_before_loading(params: dict, nodes: list, words
 def test_worked_example_two_nodes_of_8_gpus():
     """docs/SCALING.md: TP=8 x PP=2 on 2 nodes x 8 GPUs is one replica on vLLM's Ray executor."""
     p = ExtractParams(engine="ray", replicas=1, tensor_parallel_size=8, pipeline_parallel_size=2)
-    shape = ray_extract.replica_shape(p, _nodes((64, 8), (64, 8)), "auto")
-    assert shape == ray_extract.ReplicaShape(num_cpus=1, num_gpus=0, executor_backend="ray", on_gpu=True)
+    shape = ray_fit.replica_shape(p, _nodes((64, 8), (64, 8)), "auto")
+    assert shape == ray_fit.ReplicaShape(num_cpus=1, num_gpus=0, executor_backend="ray", on_gpu=True)
     p = ExtractParams(engine="ray", replicas=4, tensor_parallel_size=4)
-    assert ray_extract.replica_shape(p, _nodes((64, 8), (64, 8)), "auto").num_gpus == 4
+    assert ray_fit.replica_shape(p, _nodes((64, 8), (64, 8)), "auto").num_gpus == 4
 
 
 def test_no_cluster_is_a_clear_error(tmp_path: Path):

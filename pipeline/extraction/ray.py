@@ -6,8 +6,9 @@ run: plan the shards, keep the complete ones of the same run key (resume), write
 
 - `connect` joins the cluster at `extract.ray_address` and checks, before any engine loads, that
   `replicas` x `tensor_parallel_size` x `pipeline_parallel_size` fit its GPUs (or, on a CPU
-  cluster, `replicas` fit its CPUs, one per replica); the error names the keys and the numbers.
-- Each replica is a Ray actor holding one engine, started with the same engine arguments as a
+  cluster, `replicas` fit its CPUs, one per replica); the error names the keys and the numbers
+  (pipeline/extraction/ray_fit.py).
+- Each replica is a Ray actor (pipeline/extraction/ray_replica.py) holding one engine, started with the same engine arguments as a
   local run (`engine.start_engine`), and computes a shard with the local code itself
   (`engine.extract_shards` with the replica's engine), so it checks and writes the shard the same
   way, atomically, into the output directory, which every node must see at the same path (shared
@@ -29,20 +30,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import socket
-import tempfile
 import time
 from collections import Counter, deque
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from pipeline import shards
 from pipeline.errors import PipelineError
+from pipeline.extraction.ray_fit import ReplicaShape, alive_nodes, replica_shape
+from pipeline.extraction.ray_replica import ShardReplica, engine_env
 from pipeline.params import ExtractParams
 
 NAMESPACE = "eagle3-extract"
@@ -84,170 +85,6 @@ def log(msg: str) -> None:
     print(f"[extract:ray] {msg}", flush=True)
 
 
-@dataclass(frozen=True)
-class Node:
-    host: str
-    cpus: float
-    gpus: float
-
-
-def _alive_nodes(ray) -> list[Node]:
-    return [
-        Node(n.get("NodeManagerHostname", n.get("NodeManagerAddress", "?")), n["Resources"].get("CPU", 0.0),
-             n["Resources"].get("GPU", 0.0))
-        for n in ray.nodes()
-        if n.get("Alive")
-    ]
-
-
-@dataclass(frozen=True)
-class ReplicaShape:
-    """What one replica asks Ray for, and how its engine spreads over devices."""
-
-    num_cpus: float
-    num_gpus: float
-    executor_backend: str | None  # vLLM's distributed_executor_backend; None = vLLM's default
-    on_gpu: bool
-
-
-def replica_shape(params: ExtractParams, nodes: list[Node], address: str) -> ReplicaShape:
-    """Check that `params` fit the cluster's `nodes`; raise a PipelineError naming the keys if not."""
-    tp, pp, r = params.tensor_parallel_size, params.pipeline_parallel_size, params.replicas
-    world = tp * pp
-    gpus = sum(n.gpus for n in nodes)
-    where = f"the Ray cluster at extract.ray_address={address!r} ({len(nodes)} node(s): " + ", ".join(
-        f"{n.host} {n.cpus:g} CPU/{n.gpus:g} GPU" for n in nodes
-    ) + ")"
-    if gpus == 0:
-        if world != 1:
-            raise PipelineError(
-                f"extract.tensor_parallel_size ({tp}) x extract.pipeline_parallel_size ({pp}) = {world}, but {where} "
-                "has no GPUs: on CPU each replica is one engine on one CPU; set both to 1 and use extract.replicas"
-            )
-        fit = sum(int(n.cpus) for n in nodes)
-        if r > fit:
-            raise PipelineError(
-                f"extract.replicas ({r}) needs {r} CPUs (one per CPU replica) but {where} has {fit}: "
-                f"lower extract.replicas to {max(fit, 1)} or add nodes (`ray start --address ...`)"
-            )
-        return ReplicaShape(num_cpus=1, num_gpus=0, executor_backend=None, on_gpu=False)
-    need = r * world
-    if need > gpus:
-        raise PipelineError(
-            f"extract.replicas ({r}) x extract.tensor_parallel_size ({tp}) x extract.pipeline_parallel_size ({pp}) "
-            f"= {need} GPUs, but {where} has {gpus:g}: lower extract.replicas (or the parallel sizes) or add nodes"
-        )
-    per_node = max(int(n.gpus) for n in nodes)
-    if tp > per_node:
-        raise PipelineError(
-            f"extract.tensor_parallel_size ({tp}) is more than the most GPUs on one node ({per_node}) of {where}: "
-            "a tensor-parallel group must stay inside a node; set extract.tensor_parallel_size <= "
-            f"{per_node} and spread the model over nodes with extract.pipeline_parallel_size (docs/SCALING.md)"
-        )
-    if world <= per_node:  # a replica inside one node: Ray gives the actor its GPUs
-        fit = sum(int(n.gpus) // world for n in nodes)
-        if r > fit:
-            raise PipelineError(
-                f"extract.replicas ({r}) replicas of {world} GPUs each (extract.tensor_parallel_size x "
-                f"extract.pipeline_parallel_size) must each fit one node; only {fit} fit in {where}: "
-                f"lower extract.replicas to {fit}"
-            )
-        return ReplicaShape(num_cpus=1, num_gpus=world, executor_backend="mp" if world > 1 else None, on_gpu=True)
-    # a replica larger than a node: vLLM's Ray executor places its TP x PP workers itself (a
-    # placement group of `world` GPU bundles); the actor only drives the engine.
-    whole = sum(int(n.gpus) // tp for n in nodes)  # TP groups that fit inside nodes
-    if r * pp > whole:
-        raise PipelineError(
-            f"extract.replicas ({r}) x extract.pipeline_parallel_size ({pp}) = {r * pp} tensor-parallel groups of "
-            f"{tp} GPUs (extract.tensor_parallel_size), each inside one node, but only {whole} fit in {where}"
-        )
-    return ReplicaShape(num_cpus=1, num_gpus=0, executor_backend="ray", on_gpu=True)
-
-
-class ShardReplica:
-    """One engine on the cluster (a Ray actor): computes and writes whole shards, one per call."""
-
-    def __init__(self, params, target, layer_ids, max_model_len, dataset: str, out: str, run_key: str,
-                 manifest_extra: dict, plan, executor_backend: str | None) -> None:
-        self.params, self.target, self.layer_ids, self.max_model_len = params, target, layer_ids, max_model_len
-        self.dataset, self.out, self.run_key = Path(dataset), Path(out), run_key
-        self.manifest_extra, self.plan, self.executor_backend = manifest_extra, plan, executor_backend
-        self.engine = None
-        self.scratch: Path | None = None
-
-    def start(self) -> dict:
-        """Check this node sees the shared output, load the data and the engine; return where it runs."""
-        import ray
-
-        from pipeline.extraction import engine, inputs
-
-        host = socket.gethostname()
-        try:
-            meta = shards.read_meta(self.out)
-        except FileNotFoundError:
-            meta = {}
-        if meta.get("run_key") != self.run_key:
-            raise PipelineError(
-                f"replica on {host} does not see this run's {self.out / shards.META_FILE}: the output directory "
-                "must be on storage every node mounts at the same path (docs/SCALING.md)"
-            )
-        t0 = time.monotonic()
-        self.scratch = _scratch_dir()
-        self.ds, _ = inputs.open_prepared(self.dataset)
-        extra = {"distributed_executor_backend": self.executor_backend} if self.executor_backend else {}
-        self.engine = engine.start_engine(
-            self.params, self.target, self.layer_ids, self.max_model_len, self.scratch, **extra
-        )
-        return {"host": host, "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "load_s": time.monotonic() - t0}
-
-    def extract(self, indices: list[int]) -> dict:
-        """Compute shards `indices` with the local stage's code and this replica's engine, streaming
-        from one into the next as a local run does (the engine works on the next shard's requests
-        while the last one is written); they land in `out`."""
-        from pipeline.extraction import engine
-
-        prog = engine.extract_shards(
-            self.params, self.target, self.layer_ids, self.max_model_len, self.ds, self.plan, list(indices), self.out,
-            self.manifest_extra, engine=self.engine, show_progress=False,
-        )
-        manifests = [shards.read_manifest(self.out / shards.shard_name(k)) for k in indices]
-        return {"indices": list(indices), "manifests": manifests, "samples": prog.samples, "tokens": prog.tokens,
-                "bytes": prog.bytes, "seconds": prog.seconds, "time_s": prog.time_s}
-
-    def close(self) -> None:
-        if self.engine is not None:
-            self.engine.close()
-            self.engine = None
-        if self.scratch is not None:
-            shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def _scratch_dir() -> Path:
-    """vLLM's per-request files of this replica: node-local, under the system temp dir.
-
-    Named by pid; directories of replicas whose process is gone (killed ones) are removed here.
-    """
-    root = Path(tempfile.gettempdir()) / "eagle3-extract-scratch"
-    root.mkdir(exist_ok=True)
-    for d in root.iterdir():
-        if d.name.isdigit() and not Path(f"/proc/{d.name}").exists():
-            shutil.rmtree(d, ignore_errors=True)
-    d = root / str(os.getpid())
-    shutil.rmtree(d, ignore_errors=True)
-    d.mkdir()
-    return d
-
-
-def _engine_env(shape: ReplicaShape) -> dict[str, str]:
-    """Environment of a replica's process. On CPU: one OpenMP thread per replica CPU, and no vLLM
-    core binding (two replicas on one machine would otherwise pin to the same cores)."""
-    if shape.on_gpu:
-        return {}
-    n = str(int(shape.num_cpus))
-    return {"OMP_NUM_THREADS": n, "MKL_NUM_THREADS": n, "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
-
-
 class Cluster:
     """The driver's handle on the cluster (from `connect`)."""
 
@@ -263,7 +100,7 @@ class Cluster:
         ray = self.ray
         replica_cls = ray.remote(ShardReplica)
         opts = {"num_cpus": self.shape.num_cpus, "num_gpus": self.shape.num_gpus, "max_restarts": 0,
-                "max_task_retries": 0, "runtime_env": {"env_vars": _engine_env(self.shape)}}
+                "max_task_retries": 0, "runtime_env": {"env_vars": engine_env(self.shape)}}
         target = replace(target, path=Path(target.path).resolve())
         out_abs = out.resolve()  # the launcher's link resolved: the path every node must see
         run_key = manifest_extra["run_key"]
@@ -469,7 +306,7 @@ def connect(params: ExtractParams) -> Iterator[Cluster]:
                 "docs/SCALING.md) or set extract.ray_address to its address, or set extract.engine: local"
             ) from None
     try:
-        shape = replica_shape(params, _alive_nodes(ray), params.ray_address)
+        shape = replica_shape(params, alive_nodes(ray), params.ray_address)
         yield Cluster(ray, params, shape)
     finally:
         if owned:
