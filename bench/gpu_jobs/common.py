@@ -1,0 +1,180 @@
+"""What every bench step shares: the model shapes and workloads, the engine settings, the log, data helpers."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CLI = REPO / "bench" / "gpu_extract_bench.py"  # what a child process runs (--child JOB)
+sys.path.insert(0, str(REPO))  # the project's `pipeline` package
+
+
+LAYER_IDS = {"dense": [2, 16, 29, 32], "moe": [2, 4, 5, 8]}
+
+
+# Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 kv heads, MLP 14336, vocab 128256, llama3 RoPE
+DENSE = {
+    "kind": "llama",
+    "hidden_size": 4096,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "intermediate_size": 14336,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rope_parameters": {
+        "rope_type": "llama3",
+        "rope_theta": 500000.0,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+}
+
+
+# Kimi-K2 / DeepSeek-V3 shape, shrunk: few layers, many experts, MLA with the real head dims
+MOE = {
+    "kind": "deepseek_v3",
+    "hidden_size": 2048,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 16,
+    "num_key_value_heads": 16,
+    "intermediate_size": 6144,
+    "moe_intermediate_size": 768,
+    "n_routed_experts": 128,
+    "num_experts_per_tok": 8,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "routed_scaling_factor": 2.827,
+    "norm_topk_prob": True,
+    "q_lora_rank": 1536,
+    "kv_lora_rank": 512,
+    "qk_rope_head_dim": 64,
+    "qk_nope_head_dim": 128,
+    "v_head_dim": 128,
+    "vocab_size": 163840,
+    "max_position_embeddings": 4096,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 50000.0},
+}
+
+
+SMOKE_DENSE = {
+    **DENSE,
+    "hidden_size": 64,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "intermediate_size": 128,
+    "vocab_size": 512,
+}
+
+
+SMOKE_MOE = {
+    **MOE,
+    "hidden_size": 128,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "intermediate_size": 256,
+    "moe_intermediate_size": 64,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "q_lora_rank": 48,
+    "qk_nope_head_dim": 32,
+    "v_head_dim": 32,
+    "vocab_size": 512,
+}
+
+
+SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8]}
+
+
+# Prompt sets: "A" = short prompts, "B" = long ones. Dataset order: one shard of B, one of A
+# (the verify subset covers both lengths), then the rest of B, then the rest of A.
+# "tp" (issue 10): the dense model, 512-token prompts only (no B block); 32 samples a shard (537 MB)
+# keeps the last shard's write (the tail, not overlapped with the GPU) short against a ~5 s run.
+WORKLOADS = {
+    "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
+    "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
+    "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
+}
+
+
+SMOKE_WORKLOADS = {
+    "dense": {"len_a": 32, "n_a": 40, "len_b": 128, "n_b": 12, "samples_per_shard": 4},
+    "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
+    "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
+}
+
+
+# Multi-GPU runs (issue 10): each is the extract stage in its own copy of a workload's project
+# (same prepared data, same target), with these extract params on top of _engine_params';
+# `base` = the run whose shards it is compared with, sample by sample.
+RUNS = {
+    "tp1": {"workload": "tp", "extract": {"tensor_parallel_size": 1}},
+    "tp2": {"workload": "tp", "extract": {"tensor_parallel_size": 2}, "base": "tp1"},
+    "ray2": {"workload": "tp", "extract": {"engine": "ray", "replicas": 2}, "base": "tp1"},
+    "moetp2": {"workload": "moe", "extract": {"tensor_parallel_size": 2}},
+    "moeep2": {"workload": "moe", "extract": {"tensor_parallel_size": 2, "expert_parallel": True}, "base": "moetp2"},
+}
+
+
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 16384, "gpu_memory_utilization": 0.9}
+
+
+SMOKE_ENGINE = {"max_num_seqs": 4, "max_num_batched_tokens": 128, "gpu_memory_utilization": 0.9}
+
+
+HF_BATCH_TOKENS = 8192
+
+
+HF_TIMED_BATCHES = 16
+
+
+T0 = time.monotonic()
+
+
+def log(msg: str) -> None:
+    print(f"[bench {time.monotonic() - T0:7.1f}s] {msg}", flush=True)
+
+
+def device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def shape_of(state: dict, name: str) -> dict:
+    if name == "dense":
+        return SMOKE_DENSE if state["smoke"] else DENSE
+    return SMOKE_MOE if state["smoke"] else MOE
+
+
+def model_of(state: dict, name: str) -> str:
+    """The model ("dense" / "moe") a workload or run `name` extracts."""
+    return state.get(f"model_{name}", name)
+
+
+def layer_ids_of(state: dict, name: str) -> list[int]:
+    return (SMOKE_LAYER_IDS if state["smoke"] else LAYER_IDS)[model_of(state, name)]
+
+
+def _lengths(proj: Path) -> list[int]:
+    import datasets
+
+    from pipeline import layout
+
+    return [int(x) for x in datasets.load_from_disk(str(proj / layout.PREPARED_DATASET))["seq_len"]]
+
+
+def _prompts(proj: Path) -> list[list[int]]:
+    import datasets
+
+    from pipeline import layout
+
+    return list(datasets.load_from_disk(str(proj / layout.PREPARED_DATASET))["input_ids"])

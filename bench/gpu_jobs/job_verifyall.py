@@ -1,0 +1,190 @@
+"""bench step verifyall: verify's cost in every mode, and the final-head micro-benchmark."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from gpu_jobs.common import log
+from gpu_jobs.job_verify import _run_verify
+
+# verify's modes on the same data: every shard read in full (what verify did before the extractor
+# recorded statistics), the per-shard next-token check on 2,048 sampled positions per shard, and
+# as a user runs it (defaults: values from the extractor's records, sha256 + statistics re-derived
+# on the audit sample, every masked position through lm_head)
+# (the first run pays the process's one-time imports and CUDA set-up, so the default runs last)
+VERIFY_MODES = {  # "default" first in this process: it pays the process's first CUDA calls, as `make verify` does
+    "default": {},
+    "default_again": {},
+    "sampled_positions": {"final_state_positions_per_shard": 2048},
+}
+if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
+    VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
+
+
+# verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
+COLD_PROCESS = (
+    "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
+    "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t)"
+)
+
+
+def head_microbench(ref) -> dict:
+    """The final-state pass's parts on one 8,192-position chunk (ms), and FinalHead on 96 chunks
+    from 16 threads with 1-3 GPU slots (s)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from pipeline import verify_scan
+
+    dev, bf16 = ref.device, torch.bfloat16
+    if dev.type != "cuda":
+        return {"skipped": "no GPU"}
+    weight = ref.lm_head.weight.detach().to(bf16)
+    n, hidden = verify_scan.FINAL_CHUNK_POSITIONS, weight.shape[1]
+    x = torch.randn(n, hidden, device=dev, dtype=bf16)
+
+    def ms(fn, reps=10):
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return round((time.perf_counter() - t) / reps * 1e3, 2)
+
+    out = {"mm_bf16_out_ms": ms(lambda: torch.mm(x, weight.t())),
+           "mm_fp32_out_ms": ms(lambda: torch.mm(x, weight.t(), out_dtype=torch.float32))}
+    logits = torch.mm(x, weight.t(), out_dtype=torch.float32)
+    out["argmax_fp32_ms"] = ms(lambda: logits.argmax(-1))
+    out["norm_fp32_ms"] = ms(lambda: ref.final_norm(x.float()))
+    logits = None  # 4 GiB
+    host = torch.randn(n, hidden).to(bf16)
+    pinned = host.pin_memory()
+    out["h2d_pageable_ms"] = ms(lambda: host.to(dev))
+    out["h2d_pinned_ms"] = ms(lambda: pinned.to(dev, non_blocking=True))
+    t = time.perf_counter()
+    for _ in range(10):
+        host.pin_memory()
+    out["pin_memory_copy_ms"] = round((time.perf_counter() - t) * 100, 2)
+    chunks = 96
+    states = torch.empty(chunks * n, hidden, dtype=bf16).normal_()
+    slots_before = verify_scan.FINAL_HEAD_SLOTS
+    for slots in (1, 2, 3):
+        verify_scan.FINAL_HEAD_SLOTS = slots
+        head = verify_scan.FinalHead(ref)
+        head.argmax(states[:n])
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with ThreadPoolExecutor(16) as pool:
+            list(pool.map(lambda i, head=head: head.argmax(states[i * n : (i + 1) * n]), range(chunks)))
+        out[f"final_head_{chunks}_chunks_{slots}_slots_s"] = round(time.perf_counter() - t, 3)
+    verify_scan.FINAL_HEAD_SLOTS = slots_before
+    return out
+
+
+def job_verify_all(state: dict, name: str) -> dict:
+    """The verify stage on every shard of the stage's extraction, in a fresh interpreter and then
+    in each of VERIFY_MODES, timed against that extraction (issue 4's budget: verify <= 5% of
+    extraction time)."""
+    from pipeline import layout
+    from pipeline.stages import verify
+
+    proj = Path(state[f"project_{name}"])
+    timings: dict = {}
+    for fn in ("check_structure_and_values", "check_reference", "write_outputs"):
+        orig = getattr(verify, fn)
+
+        def timed(*a, _orig=orig, _fn=fn, **kw):
+            t = time.monotonic()
+            r = _orig(*a, **kw)
+            timings[f"{_fn}_s"] = round(time.monotonic() - t, 2)
+            return r
+
+        setattr(verify, fn, timed)
+    extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
+    extract_run_s = extract["wall_s"] - extract.get("engine_load_s", 0)
+    summary = {
+        "extract_wall_s": extract["wall_s"],
+        "extract_engine_load_s": extract.get("engine_load_s"),
+        "extract_tok_s": extract.get("tok_per_s"),
+        "extract_time_s": extract.get("time_s"),
+    }
+    model_dir = json.loads((proj / "artifacts/model/target.json").read_text())["path"]
+    only_preloaded = os.environ.get("VERIFY_ONLY_PRELOADED") == "1"  # the data pass alone, nothing else
+    t = time.monotonic()
+    cold = subprocess.CompletedProcess([], 0, "", "") if only_preloaded else subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
+    wall = time.monotonic() - t
+    line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
+    summary["cold_process"] = {
+        "passed": cold.returncode == 0,
+        "process_wall_s": round(wall, 2),
+        "imports_s": round(float(line.split()[1]), 2) if line else None,
+        "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
+        "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
+        "metrics": {k: v for k, v in json.loads((proj / layout.METRICS / "verify.json").read_text()).items()
+                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 and not only_preloaded else None,
+    }
+    log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
+    for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
+        timings.clear()
+        failed, verify_s = _run_verify(proj, **params)
+        metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+        (Path(state["out"]) / f"verifyall_{name}_{mode}_report.md").write_text((proj / "reports/verify/report.md").read_text())
+        scan_s = timings.get("check_structure_and_values_s")
+        summary[mode] = {
+            "passed": failed is None,
+            "failure": failed,
+            "verify_s": round(verify_s, 2),
+            **timings,
+            "scan_s": metrics.get("scan_seconds"),
+            "reference_load": metrics.get("reference_load"),
+            "reference_load_seconds": metrics.get("reference_load_seconds"),
+            "reference_check_seconds": metrics.get("reference_check_seconds"),
+            "verify_seconds": metrics.get("verify_seconds"),
+            "scan_thread_seconds": metrics.get("scan_thread_seconds"),
+            "final_state_head": metrics.get("final_state_head"),
+            "masked_positions": metrics.get("masked_positions"),
+            "workers": metrics.get("verify_workers"),
+            "audited_shards": len(metrics.get("audited_shards") or []),
+            "hashed_shards": metrics.get("hashed_shards"),
+            "num_shards": metrics.get("num_shards"),
+            "total_bytes": metrics.get("total_bytes"),
+            "num_tokens": metrics.get("num_tokens"),
+            "final_state_positions": metrics.get("final_state_positions"),
+            "verify_over_extract_wall": round(verify_s / extract["wall_s"], 4),
+            # the part that grows with the data, against the extraction's part that does
+            "scan_over_extract_after_load": round(scan_s / extract_run_s, 4) if scan_s else None,
+            "checks": metrics.get("checks"),
+        }
+        log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
+    # the data pass alone: references loaded beforehand (what grows with the data, without the
+    # load it otherwise overlaps)
+    from pipeline import reference
+
+    meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
+    preloaded = reference.load_references(Path(model_dir), meta["dtype"])
+    verify.load_references = lambda *a, **k: preloaded
+    for mode, params in {"references_preloaded": {}, "references_preloaded_sampled_positions": VERIFY_MODES["sampled_positions"]}.items():
+        timings.clear()
+        failed, verify_s = _run_verify(proj, **params)
+        metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
+        summary[mode] = {
+            "passed": failed is None, "failure": failed, "verify_s": round(verify_s, 2), **timings,
+            "scan_s": metrics.get("scan_seconds"), "reference_check_seconds": metrics.get("reference_check_seconds"),
+            "final_state_positions": metrics.get("final_state_positions"),
+            "scan_thread_seconds": metrics.get("scan_thread_seconds"),
+            "scan_over_extract_after_load": round(metrics["scan_seconds"] / extract_run_s, 4),
+        }
+        log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
+    if os.environ.get("VERIFY_HEAD_MICROBENCH") == "1":
+        summary["head_microbench"] = head_microbench(preloaded.fp32)
+        log(f"verifyall {name} head_microbench: {json.dumps(summary['head_microbench'])}")
+    log(f"verifyall {name}: {json.dumps(summary)}")
+    return {"summary": summary}
