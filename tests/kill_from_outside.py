@@ -94,6 +94,17 @@ class StageProcess:
             time.sleep(0.02)  # a poll interval; the points waited for are seconds apart
         raise TimeoutError(f"no log line with {text!r} within {timeout_s:.0f} s:\n{self.log()[-3000:]}")
 
+    def wait_for_dir(self, directory: Path, timeout_s: float) -> bool:
+        """Whether `directory` came to exist (False: the process ended first)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if directory.is_dir():
+                return True
+            if self.proc.poll() is not None:
+                return False
+            time.sleep(0.02)
+        raise TimeoutError(f"{directory} did not appear within {timeout_s:.0f} s:\n{self.log()[-3000:]}")
+
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
@@ -127,15 +138,18 @@ def kill_at_line(project: Path, stage: str, text: str, timeout_s: float = 300) -
     return p.finish(killed=line is not None, seen=line)
 
 
-def kill_at_file(project: Path, stage: str, directory: Path, ready_line: str, is_point: Callable[[str, str], bool],
+def kill_at_file(project: Path, stage: str, directory: Path, ready_line: str | None, is_point: Callable[[str, str], bool],
                  timeout_s: float = 300) -> Run:
     """SIGKILL the stage's process group at the first file event in `directory` that `is_point(event,
     name)` accepts. The watch starts at the log line `ready_line`, which the stage writes after it
-    made `directory` and before it writes anything the points look for."""
+    made `directory` and before it writes anything the points look for; with None, as soon as
+    `directory` exists (for a stage that makes it seconds before its first point: engine start-up)."""
     p = StageProcess(project, stage)
     watch = None
     try:
-        if p.wait_for_line(ready_line, timeout_s) is None:
+        if ready_line is not None and p.wait_for_line(ready_line, timeout_s) is None:
+            return p.finish(killed=False, seen=None)
+        if ready_line is None and not p.wait_for_dir(directory, timeout_s):
             return p.finish(killed=False, seen=None)
         watch = DirWatch(directory)
         deadline = time.monotonic() + timeout_s

@@ -8,13 +8,17 @@ it is always torn down, and the test checks that none of its processes are left.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -97,17 +101,70 @@ def test_same_shards_as_local_run_and_verify_passes(extracted: Path, project_roo
     assert json.loads((proj / layout.VERIFY_VERDICT).read_text())["passed"] is True
 
 
+def replicas_computing(ray_tmp: str) -> list[int]:
+    """Pids of this cluster's replica processes running a shard call now: Ray titles a worker
+    `ray::ShardReplica.extract` while it runs that method (ps shows it), `ray::ShardReplica` idle."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            title = (proc / "cmdline").read_bytes()
+            env = (proc / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours
+            continue
+        if title.startswith(b"ray::ShardReplica.extract") and f"RAY_TMPDIR={ray_tmp}\0".encode() in env:
+            pids.append(int(proc.name))
+    return pids
+
+
+@contextlib.contextmanager
+def kill_a_computing_replica(hs: Path, after_a_new_shard: bool, timeout_s: float = 300) -> Iterator[list[int]]:
+    """From outside the driver, as a crash or a lost node would: SIGKILL a replica process that has
+    been computing a shard for a second on end (with `after_a_new_shard`, once a shard of this run
+    is complete: a manifest the output did not hold before). Yields the list the killed pid is put in."""
+    ray_tmp = os.environ["RAY_TMPDIR"]  # the ray_cluster fixture's: its processes carry it
+    before = {p.name for p in shards.complete_shards(hs)} if hs.is_dir() else set()
+    killed: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        computing_since: dict[int, float] = {}  # pid -> when it was first seen computing, without a break
+        while not stop.is_set() and time.monotonic() < deadline:
+            if not after_a_new_shard or (hs.is_dir() and {p.name for p in shards.complete_shards(hs)} - before):
+                now = time.monotonic()
+                pids = replicas_computing(ray_tmp)
+                computing_since = {pid: computing_since.get(pid, now) for pid in pids}
+                # computing for a second on end: not a replica that just wrote a shard and is only
+                # returning (milliseconds), but one with a shard in flight (a shard takes seconds)
+                if victims := [pid for pid, t in computing_since.items() if now - t >= 1.0]:
+                    os.kill(victims[0], signal.SIGKILL)
+                    killed.append(victims[0])
+                    return
+            stop.wait(0.05)  # a poll interval
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+
+
 def test_killed_replica_retries_run_out_then_resume_completes(
-    extracted: Path, project_root: Path, tmp_path: Path, ray_cluster, monkeypatch
+    extracted: Path, project_root: Path, tmp_path: Path, ray_cluster
 ):
     proj = fresh_project(project_root, tmp_path / "p")
     hs = proj / layout.HIDDEN_STATES_DIR
-    # once the first shard of a run is done, the driver SIGKILLs a replica with a shard in flight
-    monkeypatch.setenv(ray_extract.RAY_KILL_ENV, "after_shards:1")
 
-    # no retries allowed: the run stops with a report; the complete shards stay on disk
-    with pytest.raises(PipelineError) as err:
+    # no retries allowed: once the first shard is done a replica computing another is killed (of 3
+    # shards on 2 replicas one is still to do then); the run stops with a report; the complete
+    # shards stay on disk
+    with pytest.raises(PipelineError) as err, kill_a_computing_replica(hs, after_a_new_shard=True) as killed:
         run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=0)
+    assert killed, "no replica was computing a shard after the first one was done"
     msg = str(err.value)
     assert "more than extract.max_retries (0)" in msg and "Lost replicas" in msg and "re-run extract" in msg, msg
     kept = shard_files(hs)
@@ -121,8 +178,11 @@ def test_killed_replica_retries_run_out_then_resume_completes(
         shards.manifest_path(p).unlink()
 
     # re-run with a retry: the complete shard is kept, a replica is killed again with a shard in
-    # flight, the shard is re-run on the other one; every sample lands exactly once, same bytes as local
-    run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=1)
+    # flight, the shard is re-run on the other one; every sample lands exactly once, same bytes as local.
+    # (Not waiting for a new shard here: with 2 shards on 2 replicas both may finish together.)
+    with kill_a_computing_replica(hs, after_a_new_shard=False) as killed:
+        run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=1)
+    assert killed
     m = metrics(proj)
     assert (m["shards_resumed"], m["shards_written"]) == (1, 2)
     assert m["replicas_lost"] == 1 and m["shard_retries"] == 1, m

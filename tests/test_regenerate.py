@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -19,9 +20,9 @@ import yaml
 
 from pipeline import layout
 from pipeline.stages.prepare import DataError
-from pipeline.stages.regenerate import KILL_AT_ENV
 from pipeline.target import Target, fingerprint_model_dir, write_target
 from tests.conftest import run_stage
+from tests.kill_from_outside import kill_at_file
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -73,15 +74,11 @@ def regenerated(project: Path) -> list[dict]:
     return [json.loads(line) for line in (project / layout.REGENERATED_CONVERSATIONS).read_text().splitlines()]
 
 
-def cli(project: Path, kill_at: str | None = None) -> subprocess.CompletedProcess:
+def cli(project: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop(KILL_AT_ENV, None)
-    if kill_at:
-        env[KILL_AT_ENV] = kill_at
     r = subprocess.run([sys.executable, "-m", "pipeline", "run", "regenerate"], cwd=project, env=env,
                        capture_output=True, text=True, timeout=600)
-    if kill_at is None:
-        assert r.returncode == 0, r.stderr[-3000:]
+    assert r.returncode == 0, r.stderr[-3000:]
     return r
 
 
@@ -139,8 +136,14 @@ def test_kill9_between_chunks_then_resume(regenerated: list[dict], project: Path
     (copy / layout.TARGET_JSON).write_text((project / layout.TARGET_JSON).read_text())
     (copy / "params.yaml").write_text(yaml.safe_dump({"data": data_params(copy / "chat.jsonl")}))
 
-    r = cli(copy, kill_at="chunk_done:1")
-    assert r.returncode == -signal.SIGKILL, r.stderr[-3000:]
+    # SIGKILL from outside once the first chunk file is renamed into place (inotify); the next
+    # chunk is a whole chunk of generation away, so the kill lands between chunks
+    chunk = re.compile(r"chunk-\d{5}\.jsonl")
+    r = kill_at_file(copy, "regenerate", copy / layout.REGENERATED_DIR, None,
+                     lambda event, name: event == "moved_to" and bool(chunk.fullmatch(name)))
+    assert r.killed and r.returncode == -signal.SIGKILL, f"rc {r.returncode}, saw {r.seen}\n{r.log[-3000:]}"
+    left = sorted(p.name for p in (copy / layout.REGENERATED_DIR).iterdir() if chunk.fullmatch(p.name))
+    assert left == ["chunk-00000.jsonl"], left
     assert not (copy / layout.REGENERATED_CONVERSATIONS).exists()
     cli(copy)
     metrics = json.loads((copy / layout.METRICS / "regenerate.json").read_text())

@@ -29,8 +29,6 @@ run: plan the shards, keep the complete ones of the same run key (resume), write
 from __future__ import annotations
 
 import contextlib
-import os
-import signal
 import socket
 import time
 from collections import Counter, deque
@@ -59,26 +57,6 @@ def next_batch(pending, live_replicas: int) -> list[int]:
     time near the end (a replica left alone with a long batch would be the run's tail)."""
     size = max(1, min(MAX_SHARDS_PER_CALL, len(pending) // (2 * max(live_replicas, 1))))
     return [pending.popleft() for _ in range(min(size, len(pending)))]
-
-# --- Fault-injection hook, for tests/test_ray_extract.py only; inert unless the variable is set. ---
-# EAGLE3_TEST_RAY_KILL=after_shards:<n>: once n shards of this run are complete, the driver SIGKILLs
-# the process of a replica that has a shard in flight (the first time one has), as a crash or a lost
-# node would.
-# The replica must run on this machine (a local test cluster).
-RAY_KILL_ENV = "EAGLE3_TEST_RAY_KILL"
-
-
-def _kill_after() -> int | None:
-    spec = os.environ.get(RAY_KILL_ENV)
-    if not spec:
-        return None
-    event, _, n = spec.rpartition(":")
-    if event != "after_shards":
-        raise ValueError(f"{RAY_KILL_ENV}={spec!r}: expected after_shards:<n>")
-    return int(n)
-
-
-# --- end of the fault-injection hook ---
 
 
 def log(msg: str) -> None:
@@ -125,7 +103,6 @@ class Cluster:
         prog = Progress()
         done = 0
         calls = 0  # extract calls handed to replicas (each of one or more shards)
-        kill_after = _kill_after()
         started: float | None = None
         ok = False
         bar = tqdm(total=len(todo), unit="shard", desc="extract (ray)", mininterval=1.0)
@@ -180,11 +157,6 @@ class Cluster:
                     batch = next_batch(pending, len(actors))
                     in_flight[actors[i].extract.remote(batch)] = (i, batch)
                     calls += 1
-                if kill_after is not None and done >= kill_after and in_flight:  # test hook, see above
-                    victim, batch = next(iter(in_flight.values()))
-                    log(f"{RAY_KILL_ENV}: SIGKILL replica {victim} (pid {info[victim]['pid']}), shard(s) {batch} in flight")
-                    os.kill(info[victim]["pid"], signal.SIGKILL)
-                    kill_after = None
                 if not in_flight and not starting:
                     raise PipelineError(
                         f"no replica is left and {len(pending)} of {len(todo)} shards are not done ({done} complete "

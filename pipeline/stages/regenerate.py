@@ -15,8 +15,6 @@ With regeneration off the stage only writes `regenerate.json` saying so (instant
 from __future__ import annotations
 
 import json
-import os
-import signal
 import time
 from collections import Counter
 from pathlib import Path
@@ -31,9 +29,6 @@ from pipeline.target import load_target, sha256_file, sha256_json
 
 METRICS_JSON = METRICS / "regenerate.json"
 RUN_JSON = REGENERATED_DIR / "run.json"
-# Fault-injection hook for tests/test_regenerate.py only, inert unless set: "chunk_done:<n>" sends
-# this process SIGKILL once it has written its n-th chunk (the kill -9 resume test).
-KILL_AT_ENV = "EAGLE3_TEST_KILL_AT"
 
 
 def chunk_path(k: int) -> Path:
@@ -79,11 +74,9 @@ def run(params: DataParams) -> None:
         engine = GenerationEngine(target, cfg, params.seq_len)
         bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="regenerate", unit="conv")
         t0 = time.perf_counter()
-        for n, k in enumerate(todo, 1):
+        for k in todo:
             records, chunk_stats = engine.regenerate(chunks[k], tok, seed_base=k * cfg.conversations_per_chunk)
             atomic_write_text(chunk_path(k), "".join(json.dumps(r) + "\n" for r in records))
-            if os.environ.get(KILL_AT_ENV) == f"chunk_done:{n}":
-                os.kill(os.getpid(), signal.SIGKILL)
             stats.update(chunk_stats)
             bar.update(len(chunks[k]))
             bar.set_postfix(tok_s=f"{stats['generated_tokens'] / (time.perf_counter() - t0):.0f}")
