@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
 from pipeline.embedded.tokenizer import save_tokenizer
 from pipeline.params import EmbeddedModelParams
+from pipeline.progress import progress
 
 
 def build_model(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase) -> LlamaForCausalLM:
@@ -82,7 +82,7 @@ def train(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, starts:
     offsets = torch.arange(T + 1)
     losses = []
     model.train()
-    bar = tqdm(range(p.train_steps), desc="train target", mininterval=2)
+    bar = progress(range(p.train_steps), desc="train target", mininterval=2)
     for step in bar:
         for group in opt.param_groups:
             group["lr"] = lr_at(step, p.train_steps, p.lr)

@@ -19,12 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
 from pipeline import shard_stats, shards, vllm_compat
 from pipeline.errors import PipelineError
 from pipeline.extraction.inputs import ShardPlan
 from pipeline.params import ExtractParams
+from pipeline.progress import progress
 from pipeline.target import Target
 
 # Shard threads: one per core up to this cap. Measured on the H200 host (16 cores, Llama-8B
@@ -196,7 +196,7 @@ def extract_shards(
     ready: deque[int] = deque()  # shards whose requests all finished, not yet handed to a thread
     tasks: dict[Future, int] = {}
     started = time.monotonic()
-    bar = tqdm(
+    bar = progress(
         total=sum(len(range(*plan.bounds(k))) for k in todo),
         unit="sample",
         desc="extract",

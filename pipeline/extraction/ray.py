@@ -36,13 +36,12 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm import tqdm
-
 from pipeline import shards
 from pipeline.errors import PipelineError
 from pipeline.extraction.ray_fit import ReplicaShape, alive_nodes, replica_shape
 from pipeline.extraction.ray_replica import ShardReplica, engine_env
 from pipeline.params import ExtractParams
+from pipeline.progress import progress
 
 NAMESPACE = "eagle3-extract"
 CLOSE_TIMEOUT_S = 60.0
@@ -105,7 +104,7 @@ class Cluster:
         calls = 0  # extract calls handed to replicas (each of one or more shards)
         started: float | None = None
         ok = False
-        bar = tqdm(total=len(todo), unit="shard", desc="extract (ray)", mininterval=1.0)
+        bar = progress(total=len(todo), unit="shard", desc="extract (ray)", mininterval=1.0)
 
         def finish(i: int, m: dict) -> None:
             """A shard replica `i` wrote (its manifest `m`) counts as done, once the driver sees it."""

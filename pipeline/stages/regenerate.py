@@ -19,11 +19,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from tqdm import tqdm
-
 from pipeline.atomic import atomic_write_text, remove_stale_temps
 from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR, REGENERATED_META
 from pipeline.params import DataParams, RegenerateParams
+from pipeline.progress import progress
 from pipeline.stages.prepare import Conversation, DataError, load_tokenizer, read_conversations
 from pipeline.target import load_target, sha256_file, sha256_json
 
@@ -72,7 +71,7 @@ def run(params: DataParams) -> None:
     todo = [k for k in range(len(chunks)) if k not in done]
     if todo:
         engine = GenerationEngine(target, cfg, params.seq_len)
-        bar = tqdm(total=sum(len(chunks[k]) for k in todo), desc="regenerate", unit="conv")
+        bar = progress(total=sum(len(chunks[k]) for k in todo), desc="regenerate", unit="conv")
         t0 = time.perf_counter()
         for k in todo:
             records, chunk_stats = engine.regenerate(chunks[k], tok, seed_base=k * cfg.conversations_per_chunk)
