@@ -1,9 +1,10 @@
 """Progress that fits where it goes: a live bar on a terminal, a plain line every few percent or minute in a log.
 
-Every bar of the pipeline is `progress(...)` (tqdm's arguments). On a terminal it is tqdm as is. When
-the bar's stream is not a terminal (a `make repro` log, CI, `dvc repro` piped), a redrawn bar is
-thousands of carriage-return updates in one line; there it writes whole lines instead: one when
-another `LOG_PERCENT` % is done, at least one every `LOG_SECONDS` while work goes on, and the last.
+The pipeline's bars are `progress(...)` (tqdm's arguments; verify's two still call tqdm directly).
+On a terminal it is tqdm as is. When the bar's stream is not a terminal (a `make repro` log, CI,
+`dvc repro` piped), a redrawn bar is thousands of carriage-return updates in one line; there it
+writes whole lines instead: one when another `LOG_PERCENT` % is done, at least one every
+`LOG_SECONDS` while work goes on, and the last.
 `TQDM_DISABLE=1` turns every bar off, as for tqdm itself.
 """
 
