@@ -27,7 +27,14 @@ import torch
 
 from pipeline import int4
 from pipeline.errors import PipelineError
-from pipeline.reference import DTYPES, FinalHeadModel, FinalLogits, References, checkpoint_float_elements, tensor_locations
+from pipeline.reference import (
+    DTYPES,
+    FinalHeadModel,
+    FinalLogits,
+    References,
+    checkpoint_float_elements,
+    tensor_locations,
+)
 from pipeline.reference_cost import BUDGET_PARAM, GIB, LayerCost, ModelCost, Unit, stream_plan, whole_model_bytes
 from pipeline.shards import read_header
 
