@@ -81,7 +81,7 @@ class StreamPlan:
     budget_bytes: int
 
 
-def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dtype: str) -> StreamPlan:
+def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dtype: str, budget_label: str | None = None) -> StreamPlan:
     """The largest expert chunk per layer that keeps the estimate within the budget; a budget below the
     smallest unit of work (the largest dense unit, or a layer's dense part + one expert) is an error
     naming the param and the smallest budget that would do."""
@@ -98,7 +98,7 @@ def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dt
     smallest = max([fixed] + [need(lc, min(1, lc.experts)) for lc in cost.layers])
     if budget_bytes < smallest:
         raise PipelineError(
-            f"{BUDGET_PARAM}: {budget_bytes / GIB:.3g} GiB is below the smallest unit of work of the streamed reference "
+            f"{BUDGET_PARAM}: {budget_label or f'{budget_bytes / GIB:.3g} GiB'} is below the smallest unit of work of the streamed reference "
             f"(a layer's dense part + one routed expert, or the embedding / lm_head, with its prefetch and one sample's "
             f"activations): set it to at least {smallest / GIB:.3g} GiB (null = the device's free memory)"
         )

