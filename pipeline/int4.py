@@ -27,11 +27,11 @@ DECODER_LINEAR = re.compile(r"^model\.layers\.\d+\..*_proj$")
 def scheme_of(config: dict):
     """The (single) weight scheme of a compressed-tensors pack-quantized config, or None when the
     checkpoint is not quantized; anything else this reference cannot read is an error."""
-    from compressed_tensors.quantization import QuantizationScheme
-
     q = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config")
     if not q:
         return None
+    from compressed_tensors.quantization import QuantizationScheme
+
     groups = q.get("config_groups") or {}
     formats = {g.get("format") or q.get("format") for g in groups.values()}
     if q.get("quant_method") != "compressed-tensors" or formats != {"pack-quantized"} or len(groups) != 1:
