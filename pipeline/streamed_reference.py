@@ -203,10 +203,17 @@ def choose_reference(path: Path, captured_dtype: str, memory_gib: float | None, 
     reference cannot work in is an error here, before anything loads."""
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     budget = int(memory_gib * GIB) if memory_gib is not None else int(0.9 * device_free_bytes(dev))
-    said = f"{BUDGET_PARAM} {memory_gib} GiB" if memory_gib is not None else f"{budget / GIB:.1f} GiB (90% of free {dev.type} memory)"
-    ckpt = Checkpoint(path)
-    cost = Skeleton(ckpt, trust_remote_code).cost()
     given = f"{memory_gib} GiB" if memory_gib is not None else f"{budget / GIB:.3g} GiB (90% of free {dev.type} memory)"
+    said = f"{BUDGET_PARAM} {given}"
+    ckpt = None
+    try:
+        ckpt = Checkpoint(path)
+        cost = Skeleton(ckpt, trust_remote_code).cost()
+    except (AttributeError, KeyError, TypeError, ValueError, PipelineError) as e:
+        # laid out otherwise (no model.layers, another expert layout or quantization): the whole model, as before
+        if ckpt is not None and ckpt.scheme is not None:
+            raise PipelineError(f"model.path: {path} is INT4, which only the streamed reference reads, and it cannot lay out this target: {e}") from None
+        return Choice(False, f"the streamed reference cannot lay out this target ({type(e).__name__}: {e})", budget)
     plan = stream_plan(cost, budget, max_tokens, captured_dtype, given)  # raises on a budget too small
     whole = whole_model_bytes(cost, max_tokens, captured_dtype)
     if ckpt.scheme is not None:

@@ -190,3 +190,12 @@ def test_plan_projects_the_reference_at_kimi_scale():
     assert small.reference == "streamed" and max(small.experts_per_chunk) < 384 and small.peak_bytes <= 40 * GIB
     tiny = project_reference(cfg, params.verify.model_copy(update={"reference_memory_gib": 1}), "bfloat16", 512, [141 * GIB])
     assert tiny.reference == "impossible" and "set it to at least" in tiny.why
+
+
+def test_a_target_the_stream_cannot_lay_out_takes_the_whole_model(tmp_path: Path):
+    """No regression for checkpoints the streamed reference does not read (here: no safetensors
+    names it knows): the whole model, as before, saying why."""
+    model_dir = build_tiny_llama(tmp_path / "fp32")
+    (model_dir / "model.safetensors").rename(model_dir / "weights.bin.safetensors.bak")
+    choice = choose_reference(model_dir, "bfloat16", None, 57)
+    assert not choice.streamed and "cannot lay out" in choice.why
