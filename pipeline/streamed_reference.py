@@ -341,7 +341,8 @@ def stream_references(path: Path, captured_dtype: str, sequences: list[torch.Ten
 
 class ChunkedExperts(torch.nn.Module):
     """Stands in for a layer's routed experts while they are applied a chunk at a time: first records
-    each call (state, routed ids, weights), then returns, call by call, the chunks' summed outputs."""
+    each call (state, routed ids, weights), then returns, call by call, the chunks' summed outputs.
+    Records and sums wait on the host, so the device holds one call at a time whatever the samples."""
 
     def __init__(self):
         super().__init__()
@@ -350,9 +351,9 @@ class ChunkedExperts(torch.nn.Module):
 
     def forward(self, hidden_states, top_k_index, top_k_weights):
         if self.sums is None:
-            self.calls.append((hidden_states, top_k_index, top_k_weights))
+            self.calls.append((hidden_states.cpu(), top_k_index.cpu(), top_k_weights.cpu()))
             return torch.zeros_like(hidden_states)
-        return self.sums.pop(0)
+        return self.sums.pop(0).to(hidden_states.device)
 
 
 @dataclass
@@ -403,10 +404,12 @@ class LayerStep:
             # a slice of the experts with out-of-slice ids as sentinels: transformers' expert-parallel case
             experts.num_experts, experts._is_expert_parallel = len(part), True
             slot = module.get_submodule(name)
+            dev = next(experts.parameters()).device
             for i, (h, ids, w) in enumerate(slot.calls):
+                ids = ids.to(dev)
                 inside = (ids >= part.start) & (ids < part.stop)
                 local_ids = torch.where(inside, ids - part.start, len(part))  # outside: the skipped sentinel
-                slot.totals[i] += experts(h, local_ids, w)
+                slot.totals[i] += experts(h.to(dev), local_ids, w.to(dev)).cpu()
 
     def finish(self, _raw) -> None:
         (name, _), = self.experts.items()
