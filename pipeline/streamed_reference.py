@@ -319,12 +319,11 @@ def stream_references(path: Path, captured_dtype: str, sequences: list[torch.Ten
                 do(raw)
             del raw
 
-    fp32_head = head if head is not None else None
-    if fp32_head is None:
-        names = [sk.stored_name(p) for m in (sk.model.model.norm, sk.model.get_output_embeddings()) for p in m.parameters()]
-        raw = ckpt.read(sorted(set(names)))
-        norm = build(sk.model.model.norm, {k: sk.stored_name(p) for k, p in sk.model.model.norm.named_parameters()}, raw, torch.float32)
-        lm = build(sk.model.get_output_embeddings(), {k: sk.stored_name(p) for k, p in sk.model.get_output_embeddings().named_parameters()}, raw, torch.float32)
+    if head is None:  # the final norm and lm_head, read last (verify passes the fp32 ones it already has)
+        modules = {"norm": sk.model.model.norm, "lm": sk.model.get_output_embeddings()}
+        maps = {k: {n: sk.stored_name(p) for n, p in m.named_parameters()} for k, m in modules.items()}
+        raw = ckpt.read(sorted({stored for names in maps.values() for stored in names.values()}))
+        norm, lm = (build(modules[k], maps[k], raw, torch.float32) for k in ("norm", "lm"))
     else:
         norm, lm = head.final_norm, head.lm_head
     out = []
