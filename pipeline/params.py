@@ -86,6 +86,11 @@ class EmbeddedModelParams(_Section):
     lr: float = Field(3e-3, gt=0)
     seed: int = 0
     deepseek_v3: DeepseekV3Params = Field(DeepseekV3Params(), description="Only used when architecture is deepseek_v3.")
+    quantization: Literal["none", "w4a16"] = Field(
+        "none", description="w4a16 = write the trained target as INT4 weight-only, compressed-tensors pack-quantized "
+        "(the Kimi-K2.5 INT4 format: routed experts where there are any, else every decoder Linear; the rest bf16).",
+    )
+    quantization_group_size: int = Field(32, ge=8, description="Weights sharing one scale (Kimi-K2.5 INT4: 32).")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> EmbeddedModelParams:
@@ -230,6 +235,12 @@ class VerifyParams(_Section):
         None, ge=1,
         description="null = every masked position's final state goes through lm_head for the per-shard next-token check; "
         "a number = a seeded sample of that many per shard (lm_head is ~5% of an 8B target's FLOPs per token; docs/BENCHMARKS.md).",
+    )
+    reference_memory_gib: float | None = Field(
+        None, gt=0,
+        description="Memory the reference forward may use on its device; the whole model is loaded where it fits (and is "
+        "not INT4), else it is streamed from the checkpoint a layer (or a chunk of routed experts) at a time within it. "
+        "null = 90% of the device's free memory.",
     )
     hash_all_shards: bool = Field(
         False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; docs/BENCHMARKS.md for the cost)."

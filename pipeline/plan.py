@@ -39,6 +39,7 @@ from pipeline.extraction.capacity import (
     measure_overhead,
 )
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, REPORTS
+from pipeline.reference_plan import ReferenceProjection, add_rows, project_reference
 
 CALIBRATION_FILE = METRICS / "plan_calibration.json"
 PLAN_JSON = REPORTS / "plan.json"
@@ -198,6 +199,7 @@ class Plan:
     memory: Memory
     notes: list[str]
     todo_tokens: int  # tokens of the shards not extracted yet (all of them unless a run is resumed)
+    reference: ReferenceProjection | None = None  # verify's reference forward at this scale
 
     @property
     def seconds(self) -> float | None:
@@ -317,10 +319,12 @@ def build_plan(params, *, tokens: float | None = None, samples: int | None = Non
         notes.append("wall time unknown: pass --tok-per-s (e.g. from an extraction of a similar model on the same hardware)")
 
     weights = int(weights_gib * 2**30) if weights_gib is not None else (weights_bytes(target) if target else None)
-    mem = memory(cfg, weights, ext, gpu_memory_bytes() if gpus is None else gpus, gpus_here=gpus is None)
+    gpu_list = gpu_memory_bytes() if gpus is None else gpus
+    mem = memory(cfg, weights, ext, gpu_list, gpus_here=gpus is None)
     if weights is None:
         mem.notes.append("weights unknown: pass --weights-gib (the checkpoint's size on disk)")
-    return Plan(model, proj, ids, need, tp, mem, notes, todo_tokens)
+    reference = project_reference(cfg, params.verify, ext.dtype, params.data.seq_len, gpu_list)
+    return Plan(model, proj, ids, need, tp, mem, notes, todo_tokens, reference)
 
 
 def render(plan: Plan) -> None:
@@ -357,6 +361,7 @@ def render(plan: Plan) -> None:
     if mem.kv_cache is not None:
         kv = human_bytes(mem.kv_cache) + (" per GPU" if mem.per_device_budget is not None else "")
         t.add_row("KV cache", kv, f"~{mem.kv_tokens:,} tokens (estimate)" if mem.kv_tokens else "estimate")
+    add_rows(t, plan.reference)
     console = Console()
     console.print(t)
     for note in plan.notes + mem.notes:

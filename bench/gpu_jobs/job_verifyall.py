@@ -24,6 +24,8 @@ VERIFY_MODES = {  # "default" first in this process: it pays the process's first
 }
 if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
     VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
+if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
+    VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 
 
 # verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
@@ -144,10 +146,14 @@ def job_verify_all(state: dict, name: str) -> dict:
             "verify_s": round(verify_s, 2),
             **timings,
             "scan_s": metrics.get("scan_seconds"),
+            "reference": metrics.get("reference"),
+            "reference_choice": metrics.get("reference_choice"),
             "reference_load": metrics.get("reference_load"),
             "reference_load_seconds": metrics.get("reference_load_seconds"),
             "reference_check_seconds": metrics.get("reference_check_seconds"),
             "verify_seconds": metrics.get("verify_seconds"),
+            "argmax_agreement": metrics.get("argmax_agreement"),
+            "layer_rel_rms_error": {k: v.get("rel_rms_error") for k, v in (metrics.get("layers") or {}).items()},
             "scan_thread_seconds": metrics.get("scan_thread_seconds"),
             "final_state_head": metrics.get("final_state_head"),
             "masked_positions": metrics.get("masked_positions"),

@@ -6,6 +6,7 @@ import json
 import time
 from pathlib import Path
 
+from pipeline import int4
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.embedded import corpus, tiny_deepseek_v3, tiny_llama
 from pipeline.embedded.tokenizer import corpus_texts, train_tokenizer
@@ -34,9 +35,23 @@ def build_embedded(params: ModelParams) -> dict:
     with atomic_dir(MODEL_DIR) as tmp:
         builder = tiny_deepseek_v3 if params.embedded.architecture == "deepseek_v3" else tiny_llama
         metrics = builder.build(params.embedded, tok, conversations, tmp)
+        if params.embedded.quantization == "w4a16":
+            metrics |= quantize_in_place(tmp, params.embedded.quantization_group_size)
     # target.json lives inside MODEL_DIR, which atomic_dir just replaced: write it after the rename
     write_target(Target(path=MODEL_DIR, embedded=True, fingerprint=fingerprint_model_dir(MODEL_DIR)))
     return {"architecture": params.embedded.architecture, **metrics}
+
+
+def quantize_in_place(model_dir: Path, group_size: int) -> dict:
+    """Replace a float checkpoint in `model_dir` by its INT4 (W4A16 pack-quantized) version."""
+    staged = model_dir / "_w4a16"
+    metrics = int4.quantize_checkpoint(model_dir, staged, group_size=group_size)
+    for old in model_dir.glob("*.safetensors"):
+        old.unlink()
+    for new in staged.iterdir():
+        new.replace(model_dir / new.name)
+    staged.rmdir()
+    return metrics
 
 
 def resolve_local(params: ModelParams) -> dict:

@@ -36,7 +36,9 @@ from pipeline.errors import PipelineError
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, REPORTS, VERIFY_VERDICT
 from pipeline.params import VerifyParams
 from pipeline.reference import DTYPES, FinalHeadModel, References, load_final_head, load_references
+from pipeline.reference_cost import BUDGET_PARAM
 from pipeline.shards import read_meta
+from pipeline.streamed_reference import choose_reference, shard_sequences, stream_references
 from pipeline.target import load_target
 from pipeline.verify_scan import Finding, PreparedTokens, ScanContext, default_workers, scan_shards
 
@@ -84,13 +86,18 @@ def run(params: VerifyParams) -> None:
     from datasets import load_from_disk
 
     prepared = load_from_disk(str(PREPARED_DATASET))
+    # whole model or streamed (streamed_reference.py); a budget too small fails here, before loading
+    choice = choose_reference(target.path, meta["dtype"], params.reference_memory_gib,
+                              max(prepared["seq_len"], default=1), target.trust_remote_code)
     # The final-state pass needs only the final norm and lm_head: loaded alone first (this also
     # starts the GPU and imports the model's code, before the scan's threads compete for the GIL),
     # they let the scan run while the full references load in the background.
     head = load_final_head(target.path, target.trust_remote_code)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-reference") as loader:
-        references = loader.submit(load_references, target.path, meta["dtype"], target.trust_remote_code)
+        references = None if choice.streamed else loader.submit(load_references, target.path, meta["dtype"], target.trust_remote_code)
         alone = isinstance(head, FinalHeadModel)
+        if choice.streamed and not alone:
+            raise VerifyFailed(f"{target.path}: the streamed reference needs the final norm and lm_head read alone: {head}")
         report.summary["final_state_head_source"] = (
             f"final norm + lm_head loaded alone ({head.seconds:.2f} s)" if alone else f"the full fp32 reference's ({head})"
         )
@@ -99,7 +106,10 @@ def run(params: VerifyParams) -> None:
             return head if alone else references.result().fp32
 
         sample_to_shard = check_structure_and_values(report, params, meta, prepared, head_model, target.hidden_size, workers)
-        refs = references.result()
+        refs = references.result() if references else stream_references(
+            target.path, meta["dtype"], shard_sequences(reference_selection(params, sample_to_shard), sample_to_shard),
+            choice, head, target.trust_remote_code)
+    report.summary.update(reference="streamed" if choice.streamed else "whole model", reference_choice=choice.why)
     report.summary.update(reference_load=refs.how, reference_load_seconds=round(refs.seconds, 3))
     t0 = time.perf_counter()
     check_reference(report, params, meta, layer_ids, refs, sample_to_shard)
@@ -281,8 +291,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
     candidates = sorted(sample_to_shard)
     if not candidates:
         return
-    rng = random.Random(params.seed)
-    chosen = sorted(rng.sample(candidates, min(params.reference_samples, len(candidates))))
+    chosen = reference_selection(params, sample_to_shard)
     reference, low_precision = refs.fp32, refs.low
     calibrate = low_precision is not None
 
@@ -380,6 +389,12 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
             f"(needed {required:.1%}): missing/doubled final norm or a wrong last layer",
             layer=layer_ids[-1],
         )
+
+
+def reference_selection(params: VerifyParams, sample_to_shard: dict[int, Path]) -> list[int]:
+    """The seeded samples the reference forward re-runs."""
+    candidates = sorted(sample_to_shard)
+    return sorted(random.Random(params.seed).sample(candidates, min(params.reference_samples, len(candidates))))
 
 
 def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row: dict, calibration: agreement.PooledError | None) -> None:
@@ -568,7 +583,8 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out.append("")
     out.append(f"Verify took {s.get('verify_seconds')} s" + (f" ({s['verify_over_extract_time']:.1%} of extraction time)." if "verify_over_extract_time" in s else "."))
     out.append(
-        f"Reference models: {s.get('reference_load')} ({s.get('reference_load_seconds')} s, while the shards were scanned); "
+        f"Reference forward: {s.get('reference')}, because {s.get('reference_choice')} ({BUDGET_PARAM}). "
+        f"Reference models: {s.get('reference_load')} ({s.get('reference_load_seconds')} s{', while the shards were scanned' if s.get('reference') == 'whole model' else ', after the scan'}); "
         f"shard scan {s.get('scan_seconds')} s; reference forwards and comparisons {s.get('reference_check_seconds')} s."
     )
     return "\n".join(out) + "\n"
