@@ -36,6 +36,7 @@ from pipeline.extraction.capacity import (
     disk_need,
     existing_work,
     human_bytes,
+    human_seconds,
     measure_overhead,
 )
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, REPORTS
@@ -44,15 +45,6 @@ from pipeline.reference_plan import ReferenceProjection, add_rows, project_refer
 CALIBRATION_FILE = METRICS / "plan_calibration.json"
 PLAN_JSON = REPORTS / "plan.json"
 
-
-def human_seconds(s: float) -> str:
-    if s < 120:
-        return f"{s:.0f} s"
-    if s < 2 * 3600:
-        return f"{s / 60:.1f} min"
-    if s < 3 * 86400:
-        return f"{s / 3600:.1f} h"
-    return f"{s / 86400:.1f} days"
 
 
 # --- wall time -----------------------------------------------------------------------------------

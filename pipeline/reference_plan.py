@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from pipeline.errors import PipelineError
+from pipeline.extraction.capacity import human_bytes, human_seconds
 from pipeline.reference_cost import BUDGET_PARAM, GIB, from_config, stream_plan, whole_model_bytes
 
 READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed)
@@ -96,8 +97,6 @@ def add_rows(table, ref: ReferenceProjection | None) -> None:
     """verify's reference rows in `make plan`'s table."""
     if ref is None:
         return
-    from pipeline.plan import human_bytes, human_seconds
-
     table.add_row("[bold]verify reference", f"[bold]{ref.reference}", ref.why)
     table.add_row("reference reads", human_bytes(ref.read_bytes), "the checkpoint, once (streamed: a unit at a time, one prefetched)")
     if ref.reference == "streamed":

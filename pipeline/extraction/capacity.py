@@ -29,6 +29,16 @@ def human_bytes(n: float) -> str:
     raise AssertionError
 
 
+def human_seconds(s: float) -> str:
+    if s < 120:
+        return f"{s:.0f} s"
+    if s < 2 * 3600:
+        return f"{s / 60:.1f} min"
+    if s < 3 * 86400:
+        return f"{s / 3600:.1f} h"
+    return f"{s / 86400:.1f} days"
+
+
 
 # --- bytes ---------------------------------------------------------------------------------------
 
