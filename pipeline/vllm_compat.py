@@ -271,8 +271,8 @@ def start_llm(section: str, settings: Mapping[str, Any], **llm_kwargs: Any):
     except Exception as e:  # pydantic's ValidationError, ValueError, RuntimeError, torch.OutOfMemoryError, ...
         named = ", ".join(f"{section}.{k}={settings[k]}" for k in ENGINE_SETTINGS if k in settings)
         raise PipelineError(
-            f"the vLLM engine did not start: {start_failure(e)}. The params that shape it: {named}; fix the one "
-            f"named (vLLM's log above has the details) and re-run: work already done is kept"
+            f"the vLLM engine did not start: {start_failure(e).rstrip('.')}. The params that shape it: {named}; "
+            f"fix the one at fault (vLLM's log above has the details) and re-run: work already done is kept"
         ) from e
 
 
