@@ -18,9 +18,9 @@ know may stand at the output path when DVC checks a cached result out there (it 
 remove it "without a confirmation", and the user would be stuck). So the output is a plain
 directory while the stage writes it, and the launcher keeps a hard link to each of its files in
 `artifacts/.partial/<name>` (`OutputMirror`, at most a second behind). After a kill, even kill -9,
-`dvc repro` either deletes the output (the links keep the work: the next run puts it back, and the
-stage keeps its complete shards of the same run key) or checks the cached result out over it;
-typed again, the command always recovers. Links that a complete output makes redundant are
+`dvc repro` deletes the output and either runs the stage (the links kept the work: the launcher
+puts it back, and the stage keeps its complete shards of the same run key) or checks the cached
+result out in its place; typed again, the command always recovers. Links that a complete output makes redundant are
 dropped by the next stage run through the launcher (`prune_partials`).
 
 Concurrent runs: before touching a resumable output the launcher takes an exclusive flock on
