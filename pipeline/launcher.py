@@ -11,12 +11,17 @@ stage code that runs is the working tree's, not the copy installed in the image.
 asserts its exact output. `launch` is the impure part (reads the host, prepares mounts, execs).
 
 Resumable outputs: a DVC stage with a `persist: true` output is never saved to the run-cache, and
-the run-cache is what lets a teammate's `dvc repro --pull` restore an extraction someone already
-ran. So extract's output is not persisted by DVC (which deletes it before running the stage);
-instead the launcher keeps the stage's work in `artifacts/.partial/<name>`, symlinked into place
-while the stage runs and renamed into place when the stage succeeds. A killed run (even kill -9)
-leaves the work there and the link, which the next run reuses: the stage then keeps its complete
-shards of the same run key and computes the rest, exactly as with a persisted directory.
+the run-cache is what lets a teammate's `dvc repro --pull` restore an extraction already run. So
+extract's output is not persisted, and DVC deletes it before it runs the stage (or restores it from
+the run-cache). What the stage has finished must outlive that deletion, yet nothing DVC does not
+know may stand at the output path when DVC checks a cached result out there (it would refuse to
+remove it "without a confirmation", and the user would be stuck). So the output is a plain
+directory while the stage writes it, and the launcher keeps a hard link to each of its files in
+`artifacts/.partial/<name>` (`OutputMirror`, at most a second behind). After a kill, even kill -9,
+`dvc repro` deletes the output and either runs the stage (the links kept the work: the launcher
+puts it back, and the stage keeps its complete shards of the same run key) or checks the cached
+result out in its place; typed again, the command always recovers. Links that a complete output makes redundant are
+dropped by the next stage run through the launcher (`prune_partials`).
 
 Concurrent runs: before touching a resumable output the launcher takes an exclusive flock on
 `<output>.lock` beside it (`output_locks`); a second run of the stage on the same output is refused
@@ -32,11 +37,13 @@ import os
 import shutil
 import socket
 import sys
+import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import layout
+from pipeline.atomic import TMP_MARK, remove_stale_temps
 from pipeline.errors import PipelineError
 from pipeline.params import Params, RuntimeParams
 
@@ -189,6 +196,7 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
     argv = launch_argv(stage, params, params_file, host, image, mounts)
     if argv is None:
         with output_locks(stage, RESUMABLE.get(stage, ())), resumable_outputs(RESUMABLE.get(stage, ())):
+            prune_partials([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
             run_native()
         return
     model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)  # else docker creates it as root
@@ -243,43 +251,121 @@ def partial_path(out: Path) -> Path:
     return PARTIAL_DIR / out.relative_to(layout.ARTIFACTS)
 
 
+class OutputMirror:
+    """Keeps `work` a directory of hard links to the files of `out` (flat: the resumable outputs
+    hold files only), synced every `interval` seconds by a daemon thread and on `stop()`.
+
+    Files still being written (`.tmp-` names, see pipeline/atomic.py) are left out; a file the
+    stage replaced (a new inode) is linked again; one it deleted is dropped from `work`."""
+
+    def __init__(self, out: Path, work: Path, interval: float = 1.0) -> None:
+        self.out, self.work, self.interval = out, work, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name=f"mirror-{out.name}", daemon=True)
+
+    def start(self) -> OutputMirror:
+        self.sync()
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sync()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            with contextlib.suppress(OSError):  # e.g. a full disk: the stage reports it; the next sync retries
+                self.sync()
+
+    def sync(self) -> None:
+        if not self.out.is_dir():
+            return
+        self.work.mkdir(parents=True, exist_ok=True)
+        current = {}
+        with os.scandir(self.out) as it:
+            for e in it:
+                if TMP_MARK not in e.name and e.is_file(follow_symlinks=False):
+                    with contextlib.suppress(FileNotFoundError):
+                        current[e.name] = e.inode()
+        linked = {e.name: e.inode() for e in os.scandir(self.work) if TMP_MARK not in e.name}
+        for name in linked.keys() - current.keys():
+            (self.work / name).unlink(missing_ok=True)
+        for name, ino in current.items():
+            if linked.get(name) == ino:
+                continue
+            tmp = self.work / f"{name}{TMP_MARK}link"
+            tmp.unlink(missing_ok=True)
+            try:
+                os.link(self.out / name, tmp)
+            except FileNotFoundError:  # deleted by the stage since the listing
+                continue
+            os.replace(tmp, self.work / name)
+
+
+def _take_back(out: Path, work: Path) -> None:
+    """Put the kept work back at `out` where DVC (or the user) deleted it; a complete output that
+    is there stays the starting point and makes the links redundant."""
+    if out.is_symlink():  # left by a killed run of the launcher before OutputMirror
+        if os.path.normpath(out.parent / os.readlink(out)) != os.path.normpath(work):
+            raise PipelineError(f"{out} is a symlink to {os.readlink(out)}; DVC outputs must be real "
+                                f"directories: remove the link (or move what it points to) and re-run")
+        out.unlink()
+    if out.exists():
+        if work.exists():
+            shutil.rmtree(work)
+    elif work.is_dir():
+        remove_stale_temps(work)  # an interrupted link
+        out.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(work, out)
+    out.mkdir(parents=True, exist_ok=True)
+
+
+def _drop_empty_partial_dir() -> None:
+    if PARTIAL_DIR.is_dir() and not any(PARTIAL_DIR.rglob("*")):
+        shutil.rmtree(PARTIAL_DIR)
+
+
 @contextlib.contextmanager
 def resumable_outputs(outs: Sequence[Path]) -> Iterator[None]:
-    """Run the body with each of `outs` a link to its work directory; on success rename the work
-    into place. On failure the links stay: the next run (DVC leaves links alone) resumes."""
+    """Run the body with each of `outs` a plain directory (holding the work kept from an earlier
+    run, if any) mirrored by hard links into `artifacts/.partial`; on success the links go."""
+    mirrors = []
     for out in outs:
-        work = partial_path(out)
-        if out.is_symlink():  # left by a killed or failed run
-            if os.path.normpath(out.parent / os.readlink(out)) != os.path.normpath(work):
-                raise PipelineError(f"{out} is a symlink to {os.readlink(out)}; DVC outputs must be real "
-                                    f"directories: remove the link (or move what it points to) and re-run")
-            out.unlink()
-        elif out.exists():  # a complete output (a direct run after an earlier one): resume from it
-            if work.exists():
-                shutil.rmtree(work)
-            work.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(out, work)
-        work.mkdir(parents=True, exist_ok=True)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        os.symlink(os.path.relpath(work, out.parent), out, target_is_directory=True)
+        _take_back(out, partial_path(out))
+        mirrors.append(OutputMirror(out, partial_path(out)).start())
     try:
         yield
     except BaseException:
-        # a run that failed before writing anything (e.g. the extract stage's free-space refusal)
-        # leaves nothing behind; one with work in it keeps the link, so the next run resumes
-        for out in outs:
-            work = partial_path(out)
-            if out.is_symlink() and work.is_dir() and not any(work.iterdir()):
-                out.unlink()
-                work.rmdir()
-        if PARTIAL_DIR.is_dir() and not any(PARTIAL_DIR.rglob("*")):
-            shutil.rmtree(PARTIAL_DIR)
+        for m in mirrors:
+            with contextlib.suppress(OSError):  # the stage's own error is the one to report
+                m.stop()
+                if not any(m.out.iterdir()):  # a run that failed before writing anything leaves nothing
+                    m.out.rmdir()
+                    shutil.rmtree(m.work)
+        _drop_empty_partial_dir()
         raise
+    for m in mirrors:
+        m.stop()
+        shutil.rmtree(m.work)
+    _drop_empty_partial_dir()
+
+
+def prune_partials(outs: Sequence[Path]) -> None:
+    """Drop the kept links of each of `outs` that no longer link its files: DVC checked the cached
+    result out over a killed run's work, so they only hold the disk. Links that still share their
+    files with the output are a killed run's work, which `dvc repro` may yet delete: they stay."""
     for out in outs:
-        out.unlink()
-        os.replace(partial_path(out), out)
-    if PARTIAL_DIR.is_dir() and not any(PARTIAL_DIR.rglob("*")):
-        shutil.rmtree(PARTIAL_DIR)
+        work = partial_path(out)
+        if not work.is_dir() or out.is_symlink() or not out.is_dir():
+            continue
+        kept = {(e.name, e.inode()) for e in os.scandir(work)}
+        if kept & {(e.name, e.inode()) for e in os.scandir(out)}:
+            continue
+        with contextlib.suppress(PipelineError):  # its stage is running: leave its work alone
+            with output_locks("prune", [out]):
+                shutil.rmtree(work)
+    _drop_empty_partial_dir()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -38,11 +38,13 @@ import fcntl
 import json
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from pipeline.errors import PipelineError
 
 STOCK_CONNECTOR = "ExampleHiddenStatesConnector"
 WRITE_TIMEOUT_S = 600.0
@@ -253,16 +255,50 @@ def generation_kwargs(
     return kwargs
 
 
+# the params that shape an engine, named in the error when it does not start
+ENGINE_SETTINGS = ("tensor_parallel_size", "pipeline_parallel_size", "expert_parallel", "gpu_memory_utilization",
+                   "cpu_kvcache_gib", "max_num_seqs", "max_num_batched_tokens", "dtype")
+
+
+def start_llm(section: str, settings: Mapping[str, Any], **llm_kwargs: Any):
+    """`vllm.LLM(**llm_kwargs)`; an engine that does not start (a parallel layout the model cannot be
+    split by, too little memory, a busy or missing device) is a PipelineError naming the params of
+    `section` that shape it, not vLLM's traceback (its own log above still says more)."""
+    from vllm import LLM
+
+    try:
+        return LLM(**llm_kwargs)
+    except Exception as e:  # pydantic's ValidationError, ValueError, RuntimeError, torch.OutOfMemoryError, ...
+        named = ", ".join(f"{section}.{k}={settings[k]}" for k in ENGINE_SETTINGS if k in settings)
+        raise PipelineError(
+            f"the vLLM engine did not start: {start_failure(e).rstrip('.')}. The params that shape it: {named}; "
+            f"fix the one at fault (vLLM's log above has the details) and re-run: work already done is kept"
+        ) from e
+
+
+def start_failure(e: Exception) -> str:
+    """The reason vLLM gave, in a line: pydantic's messages without their framing, else the first line."""
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        try:
+            return "; ".join(str(err.get("msg", "")).removeprefix("Value error, ") for err in errors())
+        except Exception:  # not pydantic's errors() after all
+            pass
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0][:500]}" if text else type(e).__name__
+
+
 class HiddenStatesEngine:
     """One vLLM engine that captures hidden states for batches of token-id prompts."""
 
     def __init__(self, cpu_kvcache_gib: int = 1, **engine_args: Any) -> None:
         configure_process_env(cpu_kvcache_gib, engine_args["model"], engine_args["max_model_len"])
         reset_rope_cache()
-        from vllm import LLM, SamplingParams
+        from vllm import SamplingParams
 
         self.in_process = not on_cuda()
-        self.llm = LLM(**engine_kwargs(**engine_args))
+        settings = {"cpu_kvcache_gib": cpu_kvcache_gib, **engine_args}
+        self.llm = start_llm("extract", settings, **engine_kwargs(**engine_args))
         self.sampling = SamplingParams(max_tokens=1, detokenize=False)
 
     def generate(self, prompts: Sequence[Sequence[int]]) -> list[str]:

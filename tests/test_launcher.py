@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -166,24 +167,48 @@ OUT = layout.HIDDEN_STATES_DIR
 def test_resumable_output_success_leaves_a_plain_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with resumable_outputs([OUT]):
-        assert OUT.is_symlink() and OUT.resolve() == (tmp_path / launcher.partial_path(OUT)).resolve()
+        assert OUT.is_dir() and not OUT.is_symlink(), "DVC must never find a link at the output path"
         (OUT / "shard-00000.json").write_text("{}")
     assert OUT.is_dir() and not OUT.is_symlink()
     assert (OUT / "shard-00000.json").is_file()
     assert not launcher.PARTIAL_DIR.exists()
 
 
-def test_killed_run_resumes_from_its_work(tmp_path, monkeypatch):
+def test_the_mirror_links_finished_files_and_follows_replacements(tmp_path):
+    out, work = tmp_path / "out", tmp_path / "work"
+    out.mkdir()
+    (out / "a.json").write_text("1")
+    (out / "b.json.tmp-x").write_text("half")  # an atomic write in progress: not work yet
+    mirror = launcher.OutputMirror(out, work, interval=0.05).start()
+    try:
+        assert sorted(p.name for p in work.iterdir()) == ["a.json"]
+        assert (work / "a.json").stat().st_ino == (out / "a.json").stat().st_ino, "a hard link, not a copy"
+        (out / "c.json").write_text("2")
+        tmp = out / "a.json.tmp-y"
+        tmp.write_text("replaced")
+        os.replace(tmp, out / "a.json")  # how pipeline/atomic.py rewrites a file
+        deadline = time.monotonic() + 10
+        while (work / "a.json").read_text() != "replaced" or not (work / "c.json").is_file():
+            assert time.monotonic() < deadline, "the mirror did not catch up"
+            time.sleep(0.02)
+        (out / "c.json").unlink()
+    finally:
+        mirror.stop()
+    assert sorted(p.name for p in work.iterdir()) == ["a.json"], "a file the stage deleted is dropped"
+
+
+def test_killed_run_resumes_from_its_work_after_dvc_deletes_the_output(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(KeyboardInterrupt), resumable_outputs([OUT]):
         (OUT / "shard-00000.json").write_text("{}")
-        raise KeyboardInterrupt  # or kill -9: either way the link and the work stay
-    assert OUT.is_symlink() and (launcher.partial_path(OUT) / "shard-00000.json").is_file()
+        raise KeyboardInterrupt  # or kill -9: the links in .partial stay either way
+    assert (launcher.partial_path(OUT) / "shard-00000.json").is_file()
+    shutil.rmtree(OUT)  # what `dvc repro` does to a non-persist output before it runs the stage
     with resumable_outputs([OUT]):
         assert (OUT / "shard-00000.json").is_file(), "the next run sees the finished shard"
         (OUT / "shard-00001.json").write_text("{}")
     assert sorted(p.name for p in OUT.iterdir()) == ["shard-00000.json", "shard-00001.json"]
-    assert not OUT.is_symlink()
+    assert not launcher.PARTIAL_DIR.exists()
 
 
 def test_direct_rerun_starts_from_the_existing_output(tmp_path, monkeypatch):
@@ -199,6 +224,13 @@ def test_direct_rerun_starts_from_the_existing_output(tmp_path, monkeypatch):
     assert (OUT / "extract_meta.json").is_file() and not OUT.is_symlink()
 
 
+def test_a_failed_run_that_wrote_nothing_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RuntimeError), resumable_outputs([OUT]):
+        raise RuntimeError("engine did not start")
+    assert not OUT.exists() and not launcher.PARTIAL_DIR.exists()
+
+
 def test_a_foreign_symlink_is_not_taken_for_work(tmp_path, monkeypatch):
     from pipeline.errors import PipelineError
 
@@ -211,18 +243,30 @@ def test_a_foreign_symlink_is_not_taken_for_work(tmp_path, monkeypatch):
     assert OUT.is_symlink() and (tmp_path / "elsewhere").is_dir()
 
 
-def test_dvc_leaves_a_dangling_work_link_alone(tmp_path):
-    """DVC removes a non-persist output before running its stage; for the link a killed run left
-    that must not delete the work behind it (the launcher swaps the link itself)."""
-    from dvc.utils.fs import remove
-
-    work = tmp_path / "artifacts" / ".partial" / "hidden_states"
+def test_the_link_an_older_launcher_left_is_taken_back(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = launcher.partial_path(OUT)
     work.mkdir(parents=True)
     (work / "shard-00000.json").write_text("{}")
-    link = tmp_path / "artifacts" / "hidden_states"
-    os.symlink(os.path.relpath(work, link.parent), link)
-    remove(str(link))
-    assert (work / "shard-00000.json").is_file()
+    os.symlink(os.path.relpath(work, OUT.parent), OUT)
+    with resumable_outputs([OUT]):
+        assert not OUT.is_symlink() and (OUT / "shard-00000.json").is_file()
+    assert not launcher.PARTIAL_DIR.exists()
+
+
+def test_prune_drops_only_links_a_restored_output_made_redundant(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    work = launcher.partial_path(OUT)
+    with pytest.raises(KeyboardInterrupt), resumable_outputs([OUT]):
+        (OUT / "shard-00000.json").write_text("{}")
+        raise KeyboardInterrupt
+    launcher.prune_partials([OUT])
+    assert (work / "shard-00000.json").is_file(), "a killed run's work that dvc repro may yet delete stays"
+    shutil.rmtree(OUT)  # `dvc repro` restores the cached result: new files at the output path
+    OUT.mkdir()
+    (OUT / "shard-00000.json").write_text("{}")
+    launcher.prune_partials([OUT])
+    assert not launcher.PARTIAL_DIR.exists()
 
 
 # --- dvc.yaml, Dockerfile, Makefile ---------------------------------------------------------

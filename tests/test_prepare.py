@@ -11,6 +11,8 @@ import torch
 from datasets import load_from_disk
 from safetensors.torch import save_file
 
+from pipeline import chat_data
+from pipeline.chat_data import DataError
 from pipeline.embedded import corpus
 from pipeline.embedded.tokenizer import CHAT_TEMPLATE, corpus_texts, save_tokenizer, train_tokenizer
 from pipeline.layout import HELDOUT_PROMPTS, PREPARED_DATASET, PREPARED_DIR, TOKEN_FREQ
@@ -94,7 +96,7 @@ def test_tokenizer_training_is_deterministic(shipped, tok):
 
 
 def test_golden_token_ids_and_mask(tok):
-    ids, mask = prepare.tokenize(tok, GOLDEN)
+    ids, mask = chat_data.tokenize(tok, GOLDEN)
     assert ids == [1, 3, 39, 74, 282, 319, 74, 75, 19, 2, 4, 362, 267, 226, 22, 23, 355, 226, 24, 21, 36, 2, 5, 22,
                    23, 355, 226, 24, 21, 294, 226, 25, 23, 19, 2, 4, 970, 6, 2, 5, 337, 323, 724, 6, 2]
     assert mask == [0] * 23 + [1] * 12 + [0] * 5 + [1] * 5
@@ -109,7 +111,7 @@ def test_mask_without_generation_tags_matches(tok, shipped):
     plain_tok.chat_template = plain
     tagged_tok = train_tokenizer(corpus_texts(shipped[:50]), 300)
     for conv in shipped[:30] + [{"messages": GOLDEN}]:
-        assert prepare.tokenize(plain_tok, conv["messages"]) == prepare.tokenize(tagged_tok, conv["messages"])
+        assert chat_data.tokenize(plain_tok, conv["messages"]) == chat_data.tokenize(tagged_tok, conv["messages"])
 
 
 # --- the stage --------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ def test_prepare_shipped_corpus(workdir, shipped, tok):
     assert not set(ds["source_line"]) & {h["source_line"] for h in heldout}
     row = ds[0]
     assert row["seq_len"] == len(row["input_ids"]) == len(row["loss_mask"])
-    assert (row["input_ids"], row["loss_mask"]) == prepare.tokenize(tok, shipped[row["source_line"] - 1]["messages"])
+    assert (row["input_ids"], row["loss_mask"]) == chat_data.tokenize(tok, shipped[row["source_line"] - 1]["messages"])
     freq = json.loads(TOKEN_FREQ.read_text())
     assert len(freq) == len(tok) and sum(freq) == m["masked_tokens"] == sum(sum(x) for x in ds["loss_mask"])
     h = heldout[0]
@@ -160,7 +162,7 @@ def test_sharegpt_records_match_openai(workdir):
 
 def test_malformed_line_names_file_and_line(workdir):
     data = write_lines(workdir / "d.jsonl", [chat(1), chat(2), '{"messages": [', chat(3)])
-    with pytest.raises(prepare.DataError, match=r"d\.jsonl:3: not valid JSON.*on_error: skip"):
+    with pytest.raises(DataError, match=r"d\.jsonl:3: not valid JSON.*on_error: skip"):
         prepare.run(DataParams(path=data))
 
 
@@ -172,7 +174,7 @@ def test_malformed_line_names_file_and_line(workdir):
 ])
 def test_invalid_records_are_rejected(workdir, bad, why):
     data = write_lines(workdir / "d.jsonl", [chat(1), bad])
-    with pytest.raises(prepare.DataError, match=rf"d\.jsonl:2: .*{why}"):
+    with pytest.raises(DataError, match=rf"d\.jsonl:2: .*{why}"):
         prepare.run(DataParams(path=data))
 
 
@@ -187,17 +189,52 @@ def test_skip_mode_counts(workdir):
 
 def test_no_assistant_turn_fails_naming_the_line(workdir):
     data = write_lines(workdir / "d.jsonl", [chat(1), {"messages": [{"role": "user", "content": "Hello?"}]}])
-    with pytest.raises(prepare.DataError, match=r"d\.jsonl:2: has no assistant turn"):
+    with pytest.raises(DataError, match=r"d\.jsonl:2: has no assistant turn"):
         prepare.run(DataParams(path=data))
 
 
 def test_empty_dataset_fails(workdir):
     data = write_lines(workdir / "d.jsonl", [])
-    with pytest.raises(prepare.DataError, match="no usable conversation"):
+    with pytest.raises(DataError, match="no usable conversation"):
         prepare.run(DataParams(path=data))
-    with pytest.raises(prepare.DataError, match="not found"):
+    with pytest.raises(DataError, match="not found"):
         prepare.run(DataParams(path="missing.jsonl"))
     assert not PREPARED_DIR.exists()
+
+
+def test_not_utf8_is_named_not_a_traceback(workdir):
+    data = workdir / "d.jsonl"
+    latin1 = json.dumps({"messages": [{"role": "user", "content": "caf\u00e9?"}, {"role": "assistant", "content": "Oui."}]},
+                        ensure_ascii=False).encode("latin-1")
+    data.write_bytes((json.dumps(chat(1)) + "\n").encode() + latin1 + b"\n")
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not UTF-8 text \(byte 0xe9 at column \d+\).*UTF-8.*on_error: skip"):
+        prepare.run(DataParams(path=str(data)))
+    assert not PREPARED_DIR.exists()
+    prepare.run(DataParams(path=str(data), on_error="skip", heldout_fraction=0))
+    assert (metrics(workdir)["skipped_malformed"], metrics(workdir)["kept"]) == (1, 1)
+
+
+def test_a_file_of_blank_lines_is_empty_and_a_bom_is_accepted(workdir):
+    empty = workdir / "empty.jsonl"
+    empty.write_text("\n\n  \n")
+    with pytest.raises(DataError, match=r"empty\.jsonl is empty"):
+        prepare.run(DataParams(path=str(empty)))
+    bom = workdir / "bom.jsonl"
+    bom.write_text("\ufeff" + json.dumps(chat(1)) + "\n" + json.dumps(chat(2)) + "\n", encoding="utf-8")
+    prepare.run(DataParams(path=str(bom), heldout_fraction=0))
+    assert metrics(workdir)["kept"] == 2
+
+
+def test_read_chat_needs_no_target(tmp_path):
+    """read_chat needs no target: the stages call it before anything expensive."""
+    from collections import Counter
+
+    data = write_lines(tmp_path / "d.jsonl", [chat(1), '{"messages": ['])
+    with pytest.raises(DataError, match=r"d\.jsonl:2: not valid JSON"):
+        chat_data.read_chat(Path(data), "fail", Counter())
+    counts = Counter()
+    assert [c.line for c in chat_data.read_chat(Path(data), "skip", counts)] == [1]
+    assert (counts["conversations_read"], counts["skipped_malformed"]) == (2, 1)
 
 
 def test_missing_chat_template_fails_early(tmp_path, monkeypatch, tok):
@@ -205,7 +242,7 @@ def test_missing_chat_template_fails_early(tmp_path, monkeypatch, tok):
     monkeypatch.chdir(tmp_path)
     write_target(Target(path=bare, embedded=False, fingerprint=fingerprint_model_dir(bare)))
     data = write_lines(tmp_path / "d.jsonl", [chat(1)])
-    with pytest.raises(prepare.DataError, match=r"bare/tokenizer_config\.json: .*no chat template"):
+    with pytest.raises(DataError, match=r"bare/tokenizer_config\.json: .*no chat template"):
         prepare.run(DataParams(path=data))
 
 

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from pipeline import layout
-from pipeline.stages.prepare import DataError
+from pipeline.chat_data import DataError
 from pipeline.target import Target, fingerprint_model_dir, write_target
 from tests.conftest import run_stage
 from tests.kill_from_outside import kill_at_file

@@ -20,10 +20,10 @@ from collections import Counter
 from pathlib import Path
 
 from pipeline.atomic import atomic_write_text, remove_stale_temps
+from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
 from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR, REGENERATED_META
 from pipeline.params import DataParams, RegenerateParams
 from pipeline.progress import progress
-from pipeline.stages.prepare import Conversation, DataError, load_tokenizer, read_conversations
 from pipeline.target import load_target, sha256_file, sha256_json
 
 METRICS_JSON = METRICS / "regenerate.json"
@@ -56,12 +56,11 @@ def run(params: DataParams) -> None:
 
     started = time.perf_counter()
     cfg = params.regenerate
+    counts = Counter()
+    chats = read_chat(path, params.on_error, counts)  # bad lines fail here, before the target loads
     target = load_target()
     tok = load_tokenizer(target)
-    counts = Counter()
-    convs = read_conversations(path, tok, params.on_error, counts)  # bad lines fail here, before the engine
-    if not convs:
-        raise DataError(f"data.path: {path} holds no usable conversation")
+    convs = tokenize_chats(path, chats, tok, params.on_error, counts)
     meta = provenance(params, sha256_file(path))
     run_key = sha256_json({**meta, "target": target.fingerprint})
     chunks = [convs[i : i + cfg.conversations_per_chunk] for i in range(0, len(convs), cfg.conversations_per_chunk)]
@@ -121,9 +120,7 @@ class GenerationEngine:
 
         self.cfg, self.seq_len, self.model_path = cfg, seq_len, target.path
         vllm_compat.configure_process_env(cfg.cpu_kvcache_gib, target.path, seq_len)
-        from vllm import LLM
-
-        self.llm = LLM(**vllm_compat.generation_kwargs(
+        self.llm = vllm_compat.start_llm("data.regenerate", cfg.model_dump(), **vllm_compat.generation_kwargs(
             model=target.path, dtype=cfg.dtype, max_model_len=seq_len, max_num_seqs=cfg.max_num_seqs,
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             trust_remote_code=target.trust_remote_code, seed=cfg.seed))
