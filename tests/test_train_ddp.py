@@ -205,12 +205,18 @@ def test_two_processes_train_to_the_accuracy_of_one(one_and_two: tuple[Path, Pat
     a, b = (json.loads((root / train.TRAIN_METRICS).read_text()) for root in (one, two))
     assert (a["processes"], b["processes"]) == (1, 2) and a["epochs_trained"] == b["epochs_trained"] == ONE["epochs"]
     assert a["steps"] == b["steps"] == 9  # 36 train samples: 4 per step (1 x 192 tokens or 2 x 96)
-    # val: the same 12 samples on both (speculators' val metrics are summed over the ranks), 432
-    # masked positions. The two runs differ in packing and gradient reduction, not in data or steps;
-    # 0.06 is 3x the spread of three one-process seeds (docs/BENCHMARKS.md, "train: processes").
-    assert abs(a["val"]["full_acc_0"] - b["val"]["full_acc_0"]) <= 0.06, (a["val"], b["val"])
-    assert b["val"]["full_acc_0"] > 0.5  # well above the untrained draft's (0.0-0.1): both learned
-    assert abs(a["val"]["loss"] - b["val"]["loss"]) <= 0.15 * a["val"]["loss"]
+    # Every sample has 48 tokens, so both runs put the same 4 samples in each optimizer step (the
+    # sampler's seed + epoch permutation, packed 4 in one row or 2 + 2 over the ranks), start from
+    # the same weights (seed 0; DDP broadcasts rank 0's) and average the same per-token losses:
+    # the same training up to float reduction order (gloo's all-reduce of the gradients against
+    # one backward over the packed row). Measured: the same val accuracy to the position, loss
+    # apart by 5e-7 relative; two seeds of one process are 0.13 apart (docs/BENCHMARKS.md). The
+    # tolerance, 2 of the 432 masked val positions and 1e-3 of the loss, allows for chaos over
+    # 36 steps and nothing a different data order, a lost half or a wrong gradient scale would give.
+    for k in range(ONE["ttt_steps"]):
+        assert abs(a["val"][f"full_acc_{k}"] - b["val"][f"full_acc_{k}"]) <= 2 / 432, (k, a["val"], b["val"])
+    assert abs(a["val"]["loss"] - b["val"]["loss"]) <= 1e-3 * a["val"]["loss"]
+    assert b["val"]["full_acc_0"] > 0.5  # both learned (an untrained draft: < 0.1)
 
 
 @pytest.mark.slow
