@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,7 +25,6 @@ from pipeline.errors import PipelineError
 from pipeline.params import TrainParams
 from pipeline.stages import train
 from pipeline.train_data import index_shards, split_refs
-from tests.conftest import run_stage
 from tests.tiny_project import make_project
 
 REPO = Path(__file__).resolve().parents[1]
@@ -187,11 +187,15 @@ def test_stock_distributed_setup_needs_an_accelerator() -> None:
 
 @pytest.fixture(scope="module")
 def one_and_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
-    """The same tiny project trained by one process (in this one) and by two (torchrun, traced)."""
+    """The same tiny project trained by one process and by two (torchrun, traced), each through the CLI."""
     one = new_project(tmp_path_factory.mktemp("one"), ONE)
-    run_stage(one, "train", **ONE)
+    two = Path(shutil.copytree(one, one.parent / "two", symlinks=True))
+    (two / "params.yaml").write_text(yaml.safe_dump({"train": TWO}))
+    # one thread, as torchrun gives each rank: on 2 shared cores two threads fight (27 s an epoch vs 1.3 s)
+    out = subprocess.run([sys.executable, "-m", "pipeline", "train"], cwd=one, capture_output=True, text=True,
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)})
+    assert out.returncode == 0, out.stderr[-4000:]
     tmp = tmp_path_factory.mktemp("two-trace")
-    two = new_project(tmp_path_factory.mktemp("two"), TWO)
     out = subprocess.run([sys.executable, "-m", "pipeline", "train"], cwd=two, env=stage_env(tmp),
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -11,6 +11,7 @@ the draft directory and, after its ranks are done, writes the metrics and final.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
 import json
@@ -202,6 +203,8 @@ def train_ranks(rdzv: torchrun.Rendezvous, cfg: TrainConfig, params: TrainParams
              rdzv.nproc_per_node, rdzv.node_rank, " ".join(torchrun.torchrun_argv(rdzv, run_dir, run_dir / "logs")))
     torchrun.run_ranks(rdzv, run_dir, run_dir / "logs")
     shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another node's job may still be there
+        RUN_DIR.rmdir()
 
 
 def run(params: TrainParams) -> None:
