@@ -260,6 +260,20 @@ class TrainParams(_Section):
     hidden_states_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Training compute dtype; auto = float32 on CPU (bf16 is ~4x slower there), bfloat16 on GPU."
     )
+    nproc_per_node: int = Field(
+        1, ge=1, description="Training processes per node, one per GPU; more than 1 (or nnodes > 1) runs speculators' "
+        "trainer under torchrun (DDP). max_len is per process: a step trains on nproc_per_node x nnodes x max_len tokens.",
+    )
+    nnodes: int = Field(1, ge=1, description="Nodes training together; > 1: run the stage on every node (docs/SCALING.md).")
+    master_addr: str | None = Field(None, description="nnodes > 1: node 0's address (the rendezvous); null = $MASTER_ADDR.")
+    master_port: int | None = Field(None, ge=1, le=65535, description="nnodes > 1: rendezvous port; null = $MASTER_PORT, else 29500.")
+    node_rank: int | None = Field(None, ge=0, description="nnodes > 1: this node's rank, 0 writes the draft; null = $NODE_RANK.")
+
+    @model_validator(mode="after")
+    def _node_in_nodes(self) -> TrainParams:
+        if self.node_rank is not None and self.node_rank >= self.nnodes:
+            raise ValueError(f"train.node_rank ({self.node_rank}) must be < train.nnodes ({self.nnodes})")
+        return self
 
 
 class EvalParams(_Section):

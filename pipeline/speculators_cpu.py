@@ -12,6 +12,12 @@ it alone (tests/test_train.py::test_each_cpu_override_is_needed):
   checkpoint   on resume the checkpointer loads weights/optimizer state to get_current_device(),
                which falls back to "cuda:0" -> resume fails
 
+Under torchrun (several processes) speculators' `maybe_setup_distributed` also wants an
+accelerator: it selects device LOCAL_RANK and binds the process group to it ->
+"Cannot access accelerator device when none is available"; `setup_distributed` runs the same
+function with the CPU device and the gloo backend
+(tests/test_train_ddp.py::test_stock_distributed_setup_needs_an_accelerator).
+
 Beyond these, a CPU run needs only trainer options (see `cpu_trainer_options`). Note that an
 in-process vLLM CPU engine replaces torch.accelerator.synchronize and Tensor.pin_memory for the
 whole process: after one, the last two overrides look unnecessary, so the proof runs in a fresh process.
@@ -25,7 +31,9 @@ from collections.abc import Collection, Iterator
 from unittest import mock
 
 import torch
+import torch.distributed as dist
 from speculators.train import checkpointer
+from speculators.train.distributed import maybe_setup_distributed
 from speculators.train.trainer import Trainer
 
 OVERRIDES = ("device", "synchronize", "checkpoint")
@@ -63,3 +71,19 @@ def cpu_training(skip: Collection[str] = ()) -> Iterator[None]:
             if "checkpoint" not in skip:
                 stack.enter_context(mock.patch.object(checkpointer, "get_current_device", lambda: "cpu"))
         yield
+
+
+def setup_distributed() -> None:
+    """speculators' `maybe_setup_distributed` (a no-op outside torchrun); without an accelerator
+    with the CPU device, so that its backend is gloo, and no device bound to the process group."""
+    if not needed():
+        maybe_setup_distributed()
+        return
+    init = dist.init_process_group
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(mock.patch.object(torch.accelerator, "set_device_index", lambda index: None))
+        stack.enter_context(mock.patch.object(torch.accelerator, "current_accelerator",
+                                              lambda check_available=False: torch.device("cpu")))
+        stack.enter_context(mock.patch.object(dist, "init_process_group",
+                                              lambda backend=None, device_id=None, **kw: init(backend, **kw)))
+        maybe_setup_distributed()

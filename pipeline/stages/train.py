@@ -3,37 +3,33 @@
 Checkpoints go to DRAFT_DIR/<epoch>/ (a speculators checkpoint vLLM loads as an EAGLE-3 draft);
 DRAFT_DIR/final.json names the last epoch's. A killed run resumes from its last complete epoch;
 a run key (params + data + target) makes a changed input start afresh instead.
+
+train.nproc_per_node x train.nnodes > 1: the stage is this node's torchrun agent
+(pipeline/torchrun.py) and the ranks run pipeline/train_worker.py under DDP; node 0 prepares
+the draft directory and, after its ranks are done, writes the metrics and final.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import csv
 import io
 import json
 import logging
 import shutil
-import time
-from collections.abc import Iterator
 from importlib.metadata import version
-from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from speculators.model import SpeculatorModel
-from speculators.models.eagle3.data import shift_batch
-from speculators.train.cli import build_draft_model, set_seed
 from speculators.train.config import TrainConfig
-from speculators.train.dataloader import _setup_dataloader
 from speculators.train.logger import setup_root_logger
-from speculators.train.trainer import Trainer, TrainerConfig
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from pipeline import shards, speculators_cpu
+from pipeline import shards, speculators_cpu, torchrun
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.layout import (
+    ARTIFACTS,
     DRAFT_DIR,
     FINAL_POINTER,
     HIDDEN_STATES_DIR,
@@ -44,10 +40,10 @@ from pipeline.layout import (
 )
 from pipeline.params import TrainParams
 from pipeline.target import Target, load_target, sha256_file, sha256_json
-from pipeline.train_data import ShardDataset, index_shards, split_refs
+from pipeline.train_worker import EPOCH_METRICS, train_here, write_job
 
 RUN_KEY = DRAFT_DIR / "run_key.json"
-EPOCH_METRICS = "epoch_metrics.json"  # written into each <epoch>/ dir; with training_state.json marks it complete
+RUN_DIR = ARTIFACTS / ".train"  # per node: the job torchrun's ranks read and their logs; not an output
 log = logging.getLogger("pipeline.train")
 
 
@@ -110,10 +106,12 @@ def vocab_mapping(params: TrainParams, target: Target) -> tuple[torch.Tensor | N
 
 def run_key(params: TrainParams, meta: dict, target: Target) -> dict:
     """What the checkpoints depend on. extract's own run key, not its whole meta: an extract rerun
-    that only changed engine settings keeps the same shards, and then training need not restart."""
+    that only changed engine settings keeps the same shards, and then training need not restart.
+    The process count is in (it sets the batch, the data order and the step count), the
+    rendezvous endpoint is not."""
     manifests = [shards.read_manifest(p)["sha256"] for p in shards.complete_shards(HIDDEN_STATES_DIR)]
     return {
-        "params": params.model_dump(),
+        "params": params.model_dump(exclude=torchrun.RENDEZVOUS_FIELDS),
         "extract_run_key": meta.get("run_key"),
         "layer_ids": meta["layer_ids"],
         "shards_sha256": sha256_json(manifests),
@@ -149,56 +147,6 @@ def prepare_draft_dir(key: dict) -> None:
     FINAL_POINTER.unlink(missing_ok=True)
 
 
-class EpochMetrics(logging.Handler):
-    """Captures speculators' metric records (logger 'speculators.metrics'): per-step train metrics
-    are averaged over the epoch, and the validation record (logged after the epoch's checkpoint)
-    is written with them into <epoch>/epoch_metrics.json."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.sums: dict[str, float] = {}
-        self.steps = 0
-        self.t0 = time.perf_counter()
-
-    def emit(self, record: logging.LogRecord) -> None:
-        msg = record.msg
-        if not isinstance(msg, dict):
-            return
-        if "train" in msg:
-            for k, v in msg["train"].items():
-                self.sums[k] = self.sums.get(k, 0.0) + float(v)
-            self.steps += 1
-        elif "val" in msg:
-            epoch = int(msg["epoch"])
-            row = {
-                "epoch": epoch,
-                "seconds": round(time.perf_counter() - self.t0, 2),
-                "steps": self.steps,
-                "val": {k.removesuffix("_epoch"): v for k, v in msg["val"].items() if not k.startswith("error_records")},
-                "train": {k: v / max(self.steps, 1) for k, v in self.sums.items() if not k.startswith("error_records")},
-            }
-            atomic_write_text(DRAFT_DIR / str(epoch) / EPOCH_METRICS, json.dumps(row, indent=1) + "\n")
-            log.info("train: epoch %d done in %.1f s: val loss %.4f, full_acc %s", epoch, row["seconds"],
-                     row["val"].get("loss", float("nan")),
-                     [round(v, 3) for k, v in sorted(row["val"].items()) if k.startswith("full_acc_")])
-            self.sums, self.steps, self.t0 = {}, 0, time.perf_counter()
-
-
-@contextlib.contextmanager
-def collect_epoch_metrics() -> Iterator[None]:
-    metrics_logger = logging.getLogger("speculators.metrics")
-    collector = EpochMetrics()
-    saved = metrics_logger.level, metrics_logger.propagate
-    metrics_logger.addHandler(collector)
-    metrics_logger.setLevel(logging.INFO)  # the records are INFO; a caller's root level may be higher
-    metrics_logger.propagate = False  # no per-step console lines
-    try:
-        yield
-    finally:
-        metrics_logger.removeHandler(collector)
-        metrics_logger.level, metrics_logger.propagate = saved
-
-
 def speculators_config(params: TrainParams, target: Target, aux_ids: list[int], dtype: str) -> TrainConfig:
     flat = {
         "speculator_type": "eagle3",
@@ -223,36 +171,6 @@ def speculators_config(params: TrainParams, target: Target, aux_ids: list[int], 
     return TrainConfig.from_flat(flat)
 
 
-def train(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int) -> None:
-    """What `speculators train` does after resolving its config, with our datasets in place of its
-    Arrow/hidden-states files."""
-    args = argparse.Namespace(**cfg.flatten())
-    set_seed(args.seed)
-    # the resolved speculators config; not cfg.save(), which also stores timestamps and a git diff of the cwd's repo
-    atomic_write_text(Path(args.save_path) / "run.yaml", cfg.dump_yaml())
-    model_class = SpeculatorModel.registry["eagle3"]
-    model = build_draft_model(args, model_class, t2d, d2t, draft_vocab_size)
-    dtype = getattr(torch, args.hidden_states_dtype)
-    train_refs, val_refs = split_refs(index_shards(HIDDEN_STATES_DIR), params.val_fraction, params.seed)
-    if not train_refs or not val_refs:
-        raise PipelineError(f"{HIDDEN_STATES_DIR}: {len(train_refs) + len(val_refs)} samples cannot make both a train and a val split")
-    hidden_size = model.config.transformer_layer_config.hidden_size
-    loader = dict(total_seq_len=args.total_seq_len, hidden_size=hidden_size, num_workers=args.num_workers,
-                  num_target_layers=len(model.target_layer_ids), prefetch_factor=args.prefetch_factor, preprocess=shift_batch)
-    train_loader = _setup_dataloader(ShardDataset(train_refs, args.total_seq_len, dtype), seed=args.seed, **loader)
-    val_loader = _setup_dataloader(ShardDataset(val_refs, args.total_seq_len, dtype), **loader)
-    train_kwargs, val_kwargs = model_class.get_trainer_kwargs(**vars(args))
-    config = TrainerConfig(
-        lr=args.lr, num_epochs=args.epochs, save_path=args.save_path, resume_from_checkpoint=True,
-        train_call_kwargs=train_kwargs, val_call_kwargs=val_kwargs, optimizer=args.optimizer,
-        weight_decay=args.weight_decay, muon_lr=args.muon_lr, muon_momentum=args.muon_momentum,
-        muon_weight_decay=args.muon_weight_decay, muon_ns_steps=args.muon_ns_steps,
-        muon_adjust_lr_fn=args.muon_adjust_lr_fn, scheduler_type=args.scheduler_type,
-        hidden_states_dtype=dtype, log_freq=args.log_freq,
-    )
-    Trainer(model, config, train_loader, val_loader).run_training()
-
-
 def write_metrics(epochs: list[int]) -> None:
     rows = [json.loads((DRAFT_DIR / str(e) / EPOCH_METRICS).read_text()) for e in epochs]
     last = rows[-1]
@@ -267,7 +185,31 @@ def write_metrics(epochs: list[int]) -> None:
     atomic_write_text(TRAIN_CURVE, out.getvalue())
 
 
+def check_devices(rdzv: torchrun.Rendezvous) -> None:
+    if torch.accelerator.is_available() and rdzv.nproc_per_node > torch.accelerator.device_count():
+        raise PipelineError(f"train.nproc_per_node is {rdzv.nproc_per_node} but this node has "
+                            f"{torch.accelerator.device_count()} GPUs: one process per GPU")
+
+
+def train_ranks(rdzv: torchrun.Rendezvous, cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int) -> None:
+    """This node's share of the run: in this process, or its ranks under torchrun."""
+    if rdzv.world_size == 1:
+        train_here(cfg, params, d2t, t2d, draft_vocab_size)
+        return
+    run_dir = RUN_DIR / f"node{rdzv.node_rank}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    write_job(run_dir, cfg, params, d2t, t2d, draft_vocab_size)
+    log.info("train: %d processes (%d node(s) x %d), this node %d: torchrun %s", rdzv.world_size, rdzv.nnodes,
+             rdzv.nproc_per_node, rdzv.node_rank, " ".join(torchrun.torchrun_argv(rdzv, run_dir, run_dir / "logs")))
+    torchrun.run_ranks(rdzv, run_dir, run_dir / "logs")
+    shutil.rmtree(run_dir, ignore_errors=True)
+    with contextlib.suppress(OSError):  # another node's job may still be there
+        RUN_DIR.rmdir()
+
+
 def run(params: TrainParams) -> None:
+    rdzv = torchrun.rendezvous(params)
+    check_devices(rdzv)
     target = load_target()
     try:
         meta = shards.read_meta(HIDDEN_STATES_DIR)
@@ -282,14 +224,19 @@ def run(params: TrainParams) -> None:
 
     setup_root_logger()
     log.setLevel(logging.INFO)
-    prepare_draft_dir(run_key(params, meta, target))
+    if rdzv.node_rank == 0:  # node 0 owns the draft directory; the other nodes' ranks meet it at the rendezvous
+        prepare_draft_dir(run_key(params, meta, target))
     done = complete_epochs()
-    if not done or done[-1] < params.epochs - 1:
+    # several nodes always meet: one node cannot tell from the shared directory alone whether node 0 will train
+    if rdzv.nnodes > 1 or not done or done[-1] < params.epochs - 1:
         if done:
             log.info("train: resuming after epoch %d (checkpoints %s)", done[-1], DRAFT_DIR)
-        with collect_epoch_metrics(), speculators_cpu.cpu_training():
-            train(speculators_config(params, target, aux_ids, dtype), params, d2t, t2d, draft_vocab_size)
+        cfg = speculators_config(params, target, aux_ids, dtype)
+        train_ranks(rdzv, cfg, params, d2t, t2d, draft_vocab_size)
         done = complete_epochs()
+    if rdzv.node_rank != 0:
+        log.info("train: node %d done; node 0 writes the draft's metrics and final.json", rdzv.node_rank)
+        return
     if not done or done[-1] != params.epochs - 1:
         # speculators turns SIGINT/SIGTERM into an 'interrupted' checkpoint and returns normally
         raise PipelineError(f"training stopped after epoch {done[-1] if done else None} of {params.epochs}; re-run to resume")
