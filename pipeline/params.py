@@ -245,6 +245,21 @@ class VerifyParams(_Section):
     hash_all_shards: bool = Field(
         False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; docs/BENCHMARKS.md for the cost)."
     )
+    sample_stride: int = Field(
+        4, ge=1, description="Per-sample tests: every this-many-th position of every sample (seeded offset) is read in all "
+        "captured layers and judged (pipeline/verify_samples.py); 1 = every position (most sensitive, reads every byte)."
+    )
+    sample_window: int = Field(
+        16, ge=1, description="Per-sample tests: a fault is judged over runs of this many consecutive positions "
+        "(sample_window // sample_stride judged positions per window)."
+    )
+    sample_false_alarm: float = Field(
+        1e-6, gt=0, lt=1, description="Per-sample tests: false-alarm probability for the whole run, Bonferroni-corrected "
+        "over every window of every test (under a normal law of clean window scores)."
+    )
+    coherence_fit_tokens: int = Field(
+        65536, ge=1, description="Per-sample tests: sampled token rows (seeded samples) the cross-layer predictors are fitted on."
+    )
 
 
 class TrainParams(_Section):

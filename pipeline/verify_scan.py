@@ -25,6 +25,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,11 +33,11 @@ from tqdm import tqdm
 
 from pipeline import shard_stats
 from pipeline.reference import FinalHeadModel, ReferenceModel
-from pipeline.shards import FORMAT_NAME, SAFETENSORS_DTYPES, manifest_path, read_header, read_manifest
+from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
+from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
 
-# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/shard_stats.py)
-_NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8}
+_ShardView = ShardView  # the name tests and benches know
 
 
 @dataclass
@@ -94,6 +95,7 @@ class ScanContext:
     hash_all: bool = False  # re-hash every shard, not only the audited ones
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
+    coherence: Any = None  # verify_samples.Coherence: every sample's per-token scores
     _final_head: FinalHead | None = field(default=None, init=False, repr=False)
     _final_head_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -122,6 +124,7 @@ class ShardScan:
     hashed: bool = False  # sha256 re-computed and equal to the manifest's
     masked_positions: int = 0  # masked positions in the shard (`counted` of them went through lm_head)
     seconds: dict = field(default_factory=dict)  # where this shard's time went (docs/BENCHMARKS.md)
+    sample_scores: list = field(default_factory=list)  # verify_samples.SampleScores of each sample judged
 
     def timed(self, key: str, since: float) -> float:
         now = time.perf_counter()
@@ -268,37 +271,12 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
         return scan
     scan.read_ok = True
     data = np.memmap(path, dtype=np.uint8, mode="r")  # pages are read only where a view is used
-    shard = _ShardView(data, header, data_start)
+    shard = ShardView(data, header, data_start)
     scan_samples(scan, shard, sample_ids, records or {}, ctx)
     return scan
 
 
-class _ShardView:
-    """Tensors of a memory-mapped safetensors file as numpy views (nothing read until indexed)."""
-
-    def __init__(self, data: np.ndarray, header: dict, data_start: int) -> None:
-        self.data, self.header, self.data_start = data, header, data_start
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self.header[name]["shape"])
-
-    def dtype(self, name: str) -> torch.dtype:
-        return SAFETENSORS_DTYPES[self.header[name]["dtype"]]
-
-    def numpy(self, name: str) -> np.ndarray:
-        entry = self.header[name]
-        begin, end = entry["data_offsets"]
-        raw = self.data[self.data_start + begin : self.data_start + end]
-        return raw.view(_NUMPY_VIEW[entry["dtype"]]).reshape(entry["shape"])
-
-    def tensor(self, name: str, rows=None) -> torch.Tensor:
-        """A copy as a torch tensor (`rows`: only those indices of the first dimension)."""
-        view = self.numpy(name)
-        out = torch.from_numpy(np.array(view if rows is None else view[rows]))
-        return out.view(torch.bfloat16) if self.header[name]["dtype"] == "BF16" else out
-
-
-def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
+def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
@@ -347,6 +325,10 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         sums[:, 2] = np.maximum(sums[:, 2], np.maximum(-lo, hi))
         sums[:, 3] += T * H
         scan.tokens += T
+        if ctx.coherence is not None:
+            t = time.perf_counter()
+            scan.sample_scores.append(ctx.coherence.score(sid, hs, shard.header[name]["dtype"], ids))
+            scan.timed("sample_coherence", t)
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
             masked.append((name, positions, ids))
@@ -374,29 +356,6 @@ def scan_samples(scan: ShardScan, shard: _ShardView, sample_ids: list[int], reco
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
-
-
-def read_final_rows(shard: _ShardView, chosen: list, layer: int, hidden: int, pinned: bool) -> torch.Tensor:
-    """The final layer's rows at the chosen positions of each sample, [P, H], read straight from the
-    memory map into one buffer (page-locked when lm_head runs on a GPU: its copy up is then direct)."""
-    total = sum(positions.numel() for _, positions, _ in chosen)
-    dtype = shard.dtype(chosen[0][0])
-    out = torch.empty((total, hidden), dtype=dtype, pin_memory=pinned)
-    out_np = (out.view(torch.int16) if dtype == torch.bfloat16 else out).numpy()
-    start = 0
-    for name, positions, _ in chosen:
-        rows, idx = shard.numpy(name)[:, layer], positions.numpy()
-        # masked positions come in spans (assistant turns): a span is one strided slice copy, much
-        # faster than a gather; sampled positions (mostly isolated) are gathered
-        breaks = np.flatnonzero(np.diff(idx) != 1) + 1
-        if len(breaks) < len(idx) // 8:
-            for span in np.split(idx, breaks):
-                out_np[start : start + len(span)] = rows[span[0] : span[-1] + 1]
-                start += len(span)
-        else:
-            out_np[start : start + len(idx)] = rows[idx]
-            start += len(idx)
-    return out
 
 
 def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:

@@ -1,0 +1,397 @@
+"""Every sample judged on its own: per-token coherence of the captured layers with each other and
+with the token, tested in windows of consecutive positions against the whole run's population.
+
+The residual stream ties a token's captured layers together and to its own embedding: layer j is
+largely a linear function of the other captured layers and of E[token]. A linear predictor per
+layer, fitted by least squares on a seeded subset of the run (`verify.coherence_fit_tokens` token
+rows), leaves a small residual on clean data. Per sampled position t (every `verify.sample_stride`-th,
+seeded offset per sample, position 0 left out: the attention sink's state is an outlier of every
+model) and per test it scores the residual energy as a share of the state's:
+
+    layer j      ||h_j - predict(other captured layers, E[ids[t]])||^2 / ||h_j||^2
+    token        ||h_a - predict(E[ids[t]])||^2 / ||h_a||^2   (a = the first captured layer)
+
+Every run of `verify.sample_window` consecutive positions of every sample is a window; its score is
+the mean log residual share of its judged positions, the largest left out (robust to one odd token). Windows are judged against all windows of the run (median, and the MAD
+as a robust sigma: a fault in one sample barely moves either), one-sided, at z* from a Bonferroni
+correction over every window of every test: under a normal law of the clean window scores the
+whole run's false-alarm probability is <= `verify.sample_false_alarm`. Zeroed rows, rows of another
+request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: what is caught, what not).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+
+import numpy as np
+import torch
+
+from pipeline.reference import tensor_locations
+from pipeline.shard_view import ShardView
+from pipeline.shards import read_header, read_manifest
+from pipeline.verify_report import Report
+
+RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
+ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
+EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
+WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
+# The within test's clean scores have heavier tails than a normal law (measured up to 7.7 robust sigmas
+# on 20 clean samples of the tiny Llama, where the normal quantile was 6.4): it fails at this x z* only
+WITHIN_Z_FACTOR = 2.0
+# an exchange fails only where swapping back explains this much better: two captured layers can be
+# nearly alike (tiny DeepSeek-V3 bf16, layers 4 and 5: a clean sample 1.01x "better" exchanged)
+EXCHANGE_MIN_GAIN = 1.5
+REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
+WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
+
+
+def load_embedding(path: Path, trust_remote_code: bool = False, device: str | None = None) -> torch.Tensor:
+    """The target's input embedding matrix [V, H] (as stored), read from the checkpoint by the
+    name the model's own input-embedding module has (built on the meta device)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    weight = skeleton.get_input_embeddings().weight
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is weight]
+    locations = tensor_locations(path)
+    found = next((n for n in names if n in locations), None)
+    if found is None:
+        raise FileNotFoundError(f"{path}: the input embedding {names} is not in the checkpoint")
+    with safe_open(str(locations[found]), framework="pt", device=str(device)) as f:
+        return f.get_tensor(found)
+
+
+def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
+    """Every `stride`-th position from a seeded offset, position 0 left out."""
+    offset = random.Random(f"{seed}/{sid}").randrange(stride)
+    return np.arange(1 + offset, length, stride)
+
+
+@dataclass
+class SampleScores:
+    sample: int
+    positions: np.ndarray  # [P] the sampled positions
+    # [P, 2L + 3] per test: contrast ratios (layers, token, all layers), then raw residual shares (layers, all), CPU
+    shares: torch.Tensor
+    # per adjacent pair of captured layers (i, i + 1): mean log(share as written / share with the two
+    # exchanged) over the first EXCHANGE_POSITIONS judged positions; > 0: they fit better exchanged
+    exchange: torch.Tensor | None = None
+
+
+class Coherence:
+    """The fitted predictors: one matmul of a token's inputs [h_0 .. h_{L-1}, E[id], 1] gives every
+    captured layer's prediction from the others and the first layer's from the embedding alone."""
+
+    def __init__(self, layer_ids: list[int], embedding: torch.Tensor, stride: int, seed: int) -> None:
+        self.layer_ids, self.embedding, self.stride, self.seed = layer_ids, embedding, stride, seed
+        self.device = embedding.device
+        self.weights: list[torch.Tensor] | None = None  # per fold, the predictors that score it: [(L + 1) H + 1, (L + 1) H]
+        self.fit_tokens = 0
+        self.refit_excluded: list[int] = []  # samples left out of the second fit
+
+    def inputs(self, rows: np.ndarray, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, L, H] rows (numpy; bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
+        t = torch.from_numpy(np.ascontiguousarray(rows))
+        if dtype == "BF16":
+            t = t.view(torch.bfloat16)
+        h = t.to(self.device, non_blocking=True).float()
+        e = self.embedding[ids.to(self.device)].float()
+        ones = torch.ones(h.shape[0], 1, device=self.device)
+        return h, torch.cat([h.flatten(1), e, ones], 1)
+
+    def fold(self, sid: int) -> int:
+        """Samples fall into two seeded folds; a sample is scored by the predictors fitted on the
+        other fold (cross-fitting: fitted on itself, a linear map of (L+1)H inputs absorbs much of
+        a whole-sample fault, e.g. two layers exchanged)."""
+        return random.Random(f"fold/{self.seed}/{sid}").randrange(2)
+
+    def fit(self, chunks) -> None:
+        """Least squares on (fold, sample, inputs) chunks, one per fold; standardised per block,
+        ridge `RIDGE`; then once more without the samples the first fit finds far off the others
+        (a faulty sample in the fit would make every sample of the other fold score worse)."""
+        chunks = list(chunks)
+        self.weights = self._fit_folds(chunks)
+        if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
+            return
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        means = []
+        for fold, _sid, x in chunks:
+            h = x[:, : L * H].reshape(-1, L, H)
+            means.append(self._shares(x, h, self.weights[fold]).clamp_min(1e-30).log().mean(0))
+        means = torch.stack(means).double()
+        median = means.median(0).values
+        sigma = ((means - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
+        keep = ((means - median) / sigma).max(1).values <= REFIT_Z
+        self.refit_excluded = [int(c[1]) for c, k in zip(chunks, keep.tolist(), strict=True) if not k]
+        if self.refit_excluded:
+            self.weights = self._fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k]) or self.weights
+
+    def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
+        grams: list = [None, None]
+        counts = [0, 0]
+        for fold, _sid, x in chunks:
+            x = x.double()
+            grams[fold] = x.T @ x if grams[fold] is None else grams[fold] + x.T @ x
+            counts[fold] += x.shape[0]
+        fitted = [self._solve(g, n) if g is not None else None for g, n in zip(grams, counts, strict=True)]
+        if fitted[0] is None and fitted[1] is None:
+            return None
+        self.fit_tokens = sum(counts)
+        # scored by the other fold's predictors; a fold with no data falls back to its own
+        return [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
+
+    def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        blocks = L + 1
+        # block RMS from the diagonal (the last column is the constant 1)
+        rms = (gram.diagonal()[:-1].reshape(blocks, H).sum(1) / (n * H)).sqrt().clamp_min(1e-30)
+        scale = torch.cat([rms.repeat_interleave(H), torch.ones(1, device=gram.device, dtype=gram.dtype)])
+        g = gram / scale[:, None] / scale[None, :] / n
+        weights = torch.zeros(blocks * H + 1, blocks * H, dtype=torch.float64, device=gram.device)
+        every = torch.arange(blocks * H + 1, device=gram.device)
+        for j in range(L + 1):  # j = L: the first captured layer from the embedding alone
+            if j < L:
+                inputs = every[(every < j * H) | (every >= (j + 1) * H)]
+                target = slice(j * H, (j + 1) * H)
+            else:
+                inputs = every[every >= L * H]
+                target = slice(0, H)
+            a = g[inputs][:, inputs].clone()
+            a.diagonal()[:-1] += RIDGE
+            w = torch.linalg.solve(a, g[inputs][:, target])
+            # back from the standardised space: w_raw = diag(1/scale_in) w scale_out
+            weights[inputs, j * H : (j + 1) * H] = w / scale[inputs][:, None] * scale[target][None, :]
+        return weights.float()
+
+    def _shares(self, x: torch.Tensor, h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """[P, L + 1] residual shares of the layers (from the others) and of the first layer (from E)."""
+        L, H = h.shape[1], h.shape[2]
+        if self.device.type == "cuda":  # bf16 tensor cores: rounding adds ~1e-5 to a share of ~1e-1
+            pred = torch.mm(x.bfloat16(), weights.bfloat16()).float().reshape(-1, L + 1, H)
+        else:
+            pred = (x @ weights).reshape(-1, L + 1, H)
+        target = torch.cat([h, h[:, :1]], 1)
+        energy = target.pow(2).sum(-1)
+        share = (target - pred).pow(2).sum(-1) / energy.clamp_min(1e-30)
+        return torch.where(energy > 0, share, torch.full_like(share, ZERO_ROW_SHARE))
+
+    @torch.inference_mode()
+    def score(self, sid: int, hidden: np.ndarray, dtype: str, ids: torch.Tensor) -> SampleScores:
+        """Per judged position and test, the residual share against the share a mismatched
+        contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
+        layers of the *next* judged position, the first layer from the embedding of the previous
+        or next token. Clean, the true inputs explain far better (ratio ~0.1); a state that is
+        not this token's at this position (zeroed, shifted, another request's or layer's, noise)
+        is explained no better by its own inputs than by wrong ones (ratio -> 1). The ratio
+        cancels how predictable a token is, which the share alone varies with."""
+        positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        if len(positions) < 2:  # no other judged position to contrast with
+            return SampleScores(sid, positions[:0], torch.zeros(0, 2 * L + 3))
+        pos = torch.from_numpy(positions)
+        h, x = self.inputs(hidden[positions], dtype, ids[pos])
+        weights = self.weights[self.fold(sid)]
+        share = self._shares(x, h, weights)
+        other = torch.cat([h.roll(-1, 0).flatten(1), x[:, L * H :]], 1)  # other layers from the next judged position
+        contrast = self._shares(other, h, weights)[:, :L]
+        token_weights, first = weights[L * H :, L * H :], h[:, 0]  # the first layer from [E, 1] alone
+        tokens = []
+        for neighbour in (pos - 1, (pos + 1).clamp_max(len(ids) - 1)):
+            e = torch.cat([self.embedding[ids[neighbour].to(self.device)].float(), x[:, -1:]], 1)
+            tokens.append((first - e @ token_weights).pow(2).sum(-1) / first.pow(2).sum(-1).clamp_min(1e-30))
+        contrast = torch.cat([contrast, torch.minimum(*tokens)[:, None]], 1)
+        ratio = share / contrast.clamp_min(1e-30)
+        raw = share[:, :L]
+        geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
+        tests = torch.cat([ratio, geometric[0], raw, geometric[1]], 1)
+        return SampleScores(sid, positions, tests.cpu(), self._exchange(h, x, share, weights))
+
+    def _exchange(self, h: torch.Tensor, x: torch.Tensor, share: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        L, H = h.shape[1], h.shape[2]
+        k = min(h.shape[0], EXCHANGE_POSITIONS)
+        given = share[:k, :L].sum(1).clamp_min(1e-30).log()
+        out = []
+        for i in range(L - 1):
+            hx = h[:k].clone()
+            hx[:, [i, i + 1]] = hx[:, [i + 1, i]]
+            pred = (torch.cat([hx.flatten(1), x[:k, L * H :]], 1) @ weights).reshape(k, L + 1, H)[:, :L]
+            swapped = ((hx - pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(1)
+            out.append(float((given - swapped.clamp_min(1e-30).log()).mean()))
+        return torch.tensor(out)
+
+
+def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:
+    """Fit the predictors on up to `coherence_fit_tokens` sampled rows of seeded samples (samples of
+    the wrong shape are left to the structure check)."""
+    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed)
+    want = (len(prepared), len(layer_ids), hidden_size)
+    order = sorted(files)
+    random.Random(params.seed).shuffle(order)
+
+    def chunks():
+        taken = 0
+        for path in order:
+            try:
+                manifest = read_manifest(path)
+                header, start = read_header(path)
+            except (OSError, ValueError, KeyError):
+                continue
+            view = ShardView(np.memmap(path, dtype=np.uint8, mode="r"), header, start)
+            for sid in manifest.get("sample_ids", []):
+                entry = header.get(f"{sid}/hidden_states")
+                ids_entry = header.get(f"{sid}/input_ids")
+                if entry is None or ids_entry is None or not 0 <= sid < want[0] or len(entry["shape"]) != 3 \
+                        or tuple(entry["shape"][1:]) != want[1:] or entry["shape"][0] != ids_entry["shape"][0]:
+                    continue
+                positions = np.arange(1, entry["shape"][0])  # every position but the first: more rows per sample read
+                if not len(positions):
+                    continue
+                ids = view.tensor(f"{sid}/input_ids")
+                rows = view.numpy(f"{sid}/hidden_states")[positions]
+                _, x = coherence.inputs(rows, entry["dtype"], ids[torch.from_numpy(positions)].clamp(0, len(embedding) - 1))
+                if not torch.isfinite(x).all():
+                    continue  # left to the values check
+                yield coherence.fold(sid), sid, x
+                taken += len(positions)
+                if taken >= params.coherence_fit_tokens:
+                    return
+
+    coherence.fit(chunks())
+    return coherence
+
+
+def window_scores(shares: torch.Tensor, window: int) -> torch.Tensor:
+    """[P, K] -> [max(P - window + 1, 1), K]: per run of `window` judged rows, the mean log residual
+    share without the window's largest (a confined fault raises every row of a run; one clean token
+    off, e.g. a rare MoE routing, raises one)."""
+    w = min(window, shares.shape[0])
+    logs = shares.double().clamp_min(1e-30).log().T.unfold(1, w, 1)  # [K, windows, w]
+    if w >= 3:
+        logs = logs.sort(-1).values[..., :-1]
+    return logs.mean(-1).T
+
+
+def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column: median and 1.4826 x the median absolute deviation (a normal law's sigma)."""
+    median = x.median(0).values
+    return median, ((x - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
+
+
+def check_samples(report: Report, scores: list[tuple[str, SampleScores]], coherence: Coherence | None, params) -> None:
+    """Judge every sample's windows against the run's (population test: whole-sample faults) and,
+    in samples of at least WITHIN_MIN_WINDOWS windows, against the sample's own median (within test:
+    local faults, sharper since samples differ from each other); one failure per faulty sample, naming
+    the layer furthest off, the positions and the evidence; and each sample's exchange test."""
+    if coherence is None or coherence.weights is None or not scores:
+        return
+    L = len(coherence.layer_ids)
+    names = ([f"layer {lid} vs other positions" for lid in coherence.layer_ids] + [f"token (layer {coherence.layer_ids[0]} vs E[id])",
+             "all layers vs other positions"] + [f"layer {lid}" for lid in coherence.layer_ids] + ["all layers"])
+    window = max(1, params.sample_window // params.sample_stride)
+    per_sample = [(shard, s, window_scores(s.shares, window)) for shard, s in scores if s.shares.shape[0]]
+    if not per_sample:
+        return
+    pooled = torch.cat([w for _, _, w in per_sample])
+    median, sigma = robust(pooled)
+    local = [w - w.median(0).values for _, _, w in per_sample if w.shape[0] >= WITHIN_MIN_WINDOWS * window]
+    within_median, within_sigma = robust(torch.cat(local)) if local else (None, None)
+    # whole-sample test: each sample's mean log score over all its judged positions, against the other samples'
+    whole = torch.stack([s.shares.double().clamp_min(1e-30).log().mean(0) for _, s, _ in per_sample])
+    whole_median, whole_sigma = robust(whole) if len(per_sample) >= WHOLE_MIN_SAMPLES else (None, None)
+    tests = pooled.numel() + sum(w.numel() for w in local) + (whole.numel() if whole_median is not None else 0)
+    z_star = -NormalDist().inv_cdf(params.sample_false_alarm / tests)
+    pop_share = median.exp()
+    summary = report.summary["sample_tests"] = {
+        "tests": names,
+        "windows": int(pooled.shape[0]),
+        "window_positions": params.sample_window,
+        "stride": params.sample_stride,
+        "false_alarm_bound": params.sample_false_alarm,
+        "z_threshold": round(z_star, 3),
+        "population_median_share": [float(v) for v in pop_share],
+        "robust_sigma_log": [float(v) for v in sigma],
+        "within_robust_sigma_log": [float(v) for v in within_sigma] if local else None,
+        "within_z_threshold": round(WITHIN_Z_FACTOR * z_star, 3),
+        "fit_tokens": coherence.fit_tokens,
+        "fit_excluded_samples": coherence.refit_excluded,
+        "judged_positions": int(sum(s.positions.size for _, s in scores)),
+        "exchange_positions": EXCHANGE_POSITIONS,
+    }
+    max_z = torch.full((2 * L + 3,), -math.inf, dtype=torch.float64)
+    max_within = max_z.clone()
+    exchange_gain = -math.inf
+    max_whole = max_z.clone()
+    for k, (shard, s, w) in enumerate(per_sample):
+        z = (w - median) / sigma
+        max_z = torch.maximum(max_z, z.max(0).values)
+        kind = "the run's windows"
+        if whole_median is not None:
+            zs = (whole[k] - whole_median) / whole_sigma
+            max_whole = torch.maximum(max_whole, zs)
+            if zs.max() > z.max():  # the whole sample, as one window
+                z, w, kind = zs.expand_as(z).clone(), whole[k].expand_as(w).clone(), "the other samples (the whole sample's mean)"
+        if local and w.shape[0] >= WITHIN_MIN_WINDOWS * window:
+            zw = (w - w.median(0).values - within_median) / within_sigma
+            max_within = torch.maximum(max_within, zw.max(0).values)  # in robust sigmas (fails above WITHIN_Z_FACTOR z*)
+            zw = zw / WITHIN_Z_FACTOR  # in units of the threshold z*, as the population test's
+            if zw.max() > z.max():
+                z, kind = zw, f"this sample's other windows, divided by {WITHIN_Z_FACTOR:g} for its heavier tails"
+        if s.exchange is not None and s.exchange.numel():
+            exchange_gain = max(exchange_gain, float(s.exchange.max()))
+            fail_exchange(report, shard, s, coherence.layer_ids)
+        bad = z > z_star
+        if bad.any():
+            fail_windows(report, shard, s, w, z, bad, kind, names, coherence.layer_ids, median, window, z_star, params)
+    summary["max_z"] = [float(v) for v in max_z]
+    summary["max_within_z"] = [float(v) for v in max_within] if local else None
+    summary["max_whole_sample_z"] = [float(v) for v in max_whole] if whole_median is not None else None
+    summary["exchange_max_gain_log"] = exchange_gain
+
+
+def fail_exchange(report: Report, shard: str, s: SampleScores, layer_ids: list[int]) -> None:
+    i = int(s.exchange.argmax())
+    if float(s.exchange[i]) <= math.log(EXCHANGE_MIN_GAIN):
+        return
+    a, b = layer_ids[i], layer_ids[i + 1]
+    report.fail(
+        "samples",
+        f"layers {a} and {b} are exchanged: with the two swapped back the captured layers explain each other "
+        f"{math.exp(float(s.exchange[i])):.2f}x better (residual share, geometric mean over the first "
+        f"{min(s.positions.size, EXCHANGE_POSITIONS)} judged positions; fails above {EXCHANGE_MIN_GAIN}x)",
+        shard=shard, sample=s.sample, layer=a,
+    )
+
+
+def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, window, z_star, params) -> None:
+    L = len(layer_ids)
+    worst = int(z.max(0).values.argmax())
+    rows = bad.any(1).nonzero().squeeze(-1)
+    n = s.positions.size
+    first = int(s.positions[int(rows[0])])
+    last = int(s.positions[min(int(rows[-1]) + window - 1, n - 1)])
+    peak = int(z[:, worst].argmax())
+    # the layer named: the layer test furthest off where the worst test peaks (the token test: the first layer)
+    named = 0 if worst == L else worst - L - 2 if L + 2 <= worst < 2 * L + 2 else worst if worst < L else int(z[peak, :L].argmax())
+    value = math.exp(float(w[peak, worst]))
+    others = [names[k] for k in range(len(names)) if k != worst and bad[:, k].any()]
+    if worst == L:
+        what = "the captured states do not belong to this sample's tokens (shifted rows, or another request's)"
+    else:
+        what = (f"layer {layer_ids[named]}'s state is not explained by the other captured layers and the token's "
+                "embedding (zeroed, from another request or layer, shifted, or noisy rows)")
+    report.fail(
+        "samples",
+        f"positions {first}..{last} (every {params.sample_stride}th judged): {what}. Evidence ({names[worst]} test): "
+        f"residual share {value:.3g} of the state's energy over {min(window, n)} judged positions, against the run's "
+        f"median {float(median[worst].exp()):.3g}; z = {float(z[peak, worst]):.1f} robust sigmas from {kind} > {z_star:.1f} "
+        f"(false-alarm bound {params.sample_false_alarm:g} for the run)" + (f"; also off: {', '.join(others)}" if others else ""),
+        shard=shard, sample=s.sample, layer=layer_ids[named],
+    )

@@ -1,0 +1,133 @@
+"""Every sample judged on its own (issue 18): each fault class is planted into ONE sample of one
+shard of a clean, real vLLM extraction, through `pipeline.shards.write_shard` (so sha256, sizes and
+the recorded per-sample statistics agree with the wrong data), into a sample that is not among the
+reference samples; verify must fail naming that shard, sample and layer. Clean data raises nothing."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pipeline import layout
+from pipeline.errors import PipelineError
+from pipeline.params import VerifyParams
+from pipeline.shards import Sample, complete_shards, load_sample, read_manifest, write_shard
+from pipeline.verify_reference_check import reference_selection
+from tests.conftest import copy_project, run_stage
+
+pytestmark = pytest.mark.slow
+VERIFY = {"reference_samples": 4}
+RUN = 16  # positions a confined fault spans (the issue's sensitivity unit)
+
+
+@pytest.fixture
+def project(extracted: Path, project_root: Path, tmp_path: Path) -> Path:
+    return copy_project(project_root, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
+
+
+def samples_of(root: Path) -> dict[int, tuple[Path, Sample]]:
+    out = {}
+    for shard in complete_shards(root / layout.HIDDEN_STATES_DIR):
+        for sid in read_manifest(shard)["sample_ids"]:
+            out[sid] = (shard, load_sample(shard, sid))
+    return out
+
+
+def victim(root: Path, min_len: int = 100) -> int:
+    """A sample of at least `min_len` tokens that the reference check does not re-run, shorter than another."""
+    every = samples_of(root)
+    refs = set(reference_selection(list(every), VerifyParams(**VERIFY)))
+    longest = max(s.input_ids.numel() for _, s in every.values())
+    return next(sid for sid, (_, s) in sorted(every.items())
+                if sid not in refs and min_len <= s.input_ids.numel() < longest)  # another request is as long
+
+
+def replant(root: Path, sid: int, new_states: torch.Tensor) -> str:
+    """Rewrite `sid`'s shard with `new_states` for that sample, as the extractor would have written it."""
+    shard, _ = samples_of(root)[sid]
+    manifest = read_manifest(shard)
+    extra = {k: v for k, v in manifest.items() if k not in
+             ("format", "format_version", "shard_index", "file", "bytes", "sha256", "sample_ids", "num_tokens", "layer_stats")}
+    samples = [load_sample(shard, s) for s in manifest["sample_ids"]]
+    for s in samples:
+        if s.sample_id == sid:
+            s.hidden_states = new_states.to(s.hidden_states.dtype).contiguous()
+    write_shard(shard.parent, manifest["shard_index"], samples, extra)
+    return shard.stem
+
+
+def plant(root: Path, fault: str, sid: int, start: int = 40, layer: int = 1, rel: float = 1.0, seed: int = 0) -> tuple[str, int]:
+    """Plant `fault` into sample `sid`; returns (shard name, index of the layer named)."""
+    every = samples_of(root)
+    h = every[sid][1].hidden_states.clone()
+    T, L, _ = h.shape
+    span = slice(start, start + RUN)
+    other_sid = next(o for o, (_, s) in sorted(every.items()) if o != sid and s.input_ids.numel() >= T)
+    other = every[other_sid][1].hidden_states[:T]  # another request's rows, same length
+    named = layer
+    if fault == "zeros":
+        h[span] = 0
+        named = None
+    elif fault == "cut_short":
+        h[start:] = 0
+        named = None
+    elif fault == "shifted":
+        h[start : start + 3 * RUN] = every[sid][1].hidden_states[start - 1 : start + 3 * RUN - 1]
+        named = 0  # the token test names the first captured layer
+    elif fault == "layers_exchanged":
+        h[:, [layer, layer + 1]] = h[:, [layer + 1, layer]]
+    elif fault == "layer_from_other_request":
+        h[:, layer] = other[:, layer]
+    elif fault == "all_layers_from_other_request":
+        h[:] = other
+        named = 0
+    elif fault == "noise":
+        g = torch.Generator().manual_seed(seed)
+        clean = h[span, layer].float()
+        noise = torch.randn(clean.shape, generator=g)
+        h[span, layer] = (clean + noise * (rel * clean.norm() / noise.norm())).to(h.dtype)
+    else:
+        raise ValueError(fault)
+    return replant(root, sid, h), named
+
+
+def verify_fails_on(root: Path, shard: str, sid: int, layer_index: int | None, **params) -> str:
+    with pytest.raises(PipelineError) as err:
+        run_stage(root, "verify", **{**VERIFY, **params})
+    message = str(err.value)
+    lines = [x for x in message.splitlines() if "[samples]" in x and f"shard={shard}, sample={sid}," in x]
+    assert lines, message
+    if layer_index is not None:
+        layer_ids = json.loads((root / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())["layer_ids"]
+        lines = [x for x in lines if f"layer={layer_ids[layer_index]}:" in x]
+        assert lines, message
+    line = lines[0]
+    # only the planted sample is named by the per-sample tests
+    assert all(f"sample={sid}," in x for x in message.splitlines() if x.startswith("  [samples]")), message
+    assert not (root / layout.VERIFY_VERDICT).exists()
+    return line
+
+
+FAULTS = ["zeros", "cut_short", "shifted", "layers_exchanged", "layer_from_other_request", "all_layers_from_other_request", "noise"]
+
+
+@pytest.mark.parametrize("fault", FAULTS)
+def test_fault_in_one_sample_is_caught_and_named(project: Path, fault: str):
+    sid = victim(project)
+    shard, named = plant(project, fault, sid)
+    line = verify_fails_on(project, shard, sid, named)
+    assert ("positions " in line and "Evidence" in line and "median" in line) or "exchanged" in line
+    report = (project / layout.REPORTS / "verify" / "report.md").read_text()
+    assert f"sample={sid}" in report and "Per-sample tests" in report
+
+
+def test_clean_run_reports_the_per_sample_tests(project: Path):
+    run_stage(project, "verify", **VERIFY)
+    metrics = json.loads((project / layout.METRICS / "verify.json").read_text())
+    tests = metrics["sample_tests"]
+    assert metrics["checks"]["samples"] == "pass"
+    assert tests["judged_positions"] > 0 and tests["false_alarm_bound"] == 1e-6
+    assert max(tests["max_z"]) < tests["z_threshold"]
