@@ -17,6 +17,7 @@ from pathlib import Path
 from datasets import Dataset, Features, List, Value
 from transformers import AutoTokenizer
 
+from pipeline import invalidation
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.layout import (
@@ -175,13 +176,19 @@ def heldout_record(sample_id: int, conv: Conversation) -> dict:
             "reference": conv.messages[first]["content"]}
 
 
+def regenerated_params(params: DataParams) -> dict:
+    """data.regenerate's keys that define the regenerated data (pipeline/invalidation.py): not engine tuning or chunking."""
+    flat = invalidation.output_params(params, "data", "regenerate")
+    return {k.removeprefix("regenerate."): v for k, v in flat.items() if k.startswith("regenerate.")}
+
+
 def regenerated_source(path: Path, params: DataParams) -> dict:
     """The regenerate stage's provenance, checked against these params and data.path's content."""
     if not REGENERATED_META.is_file():
         raise DataError(f"data.regenerate.enabled is true but {REGENERATED_META} is missing; "
                         "run the regenerate stage first (`dvc repro` or `make prepare` runs it)")
     meta = json.loads(REGENERATED_META.read_text())
-    expected = {"enabled": True, "source_sha256": sha256_file(path), "regenerate": params.regenerate.model_dump(),
+    expected = {"enabled": True, "source_sha256": sha256_file(path), "regenerate": regenerated_params(params),
                 "seq_len": params.seq_len, "on_error": params.on_error}
     stale = [k for k, v in expected.items() if meta.get(k) != v]
     if stale:
