@@ -17,9 +17,13 @@ from pipeline.stages import SECTION, STAGES
 def _run_stage(stage: str, params_file: Path) -> None:
     try:
         params = load_params(params_file)
+        module = importlib.import_module(f"pipeline.stages.{stage}")
+        if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
+            module.run(params)
+            return
         section = getattr(params, SECTION[stage])
         # here, or in the container per runtime.mode (pipeline/launcher.py)
-        launch(stage, params, params_file, lambda: importlib.import_module(f"pipeline.stages.{stage}").run(section))
+        launch(stage, params, params_file, lambda: module.run(section))
     except PipelineError as e:
         click.secho(f"[{stage}] error: {e}", fg="red", err=True)
         sys.exit(1)
@@ -46,7 +50,8 @@ def _stage_command(stage: str) -> click.Command:
     def cmd(params_file: Path) -> None:
         _run_stage(stage, params_file)
 
-    return click.command(stage, help=f"Run the {stage} stage (reads params.yaml: {SECTION[stage]}).")(cmd)
+    reads = SECTION[stage] or "all of it"
+    return click.command(stage, help=f"Run the {stage} stage (reads params.yaml: {reads}).")(cmd)
 
 
 for _stage in STAGES:
@@ -56,11 +61,16 @@ for _stage in STAGES:
 @main.command("check-params")
 @click.pass_obj
 def check_params(params_file: Path) -> None:
-    """Validate params.yaml and exit."""
+    """Validate params.yaml, the data file and the target's limits (the check stage's checks) and exit."""
+    from pipeline import input_checks
+
     try:
-        load_params(params_file)
+        found = input_checks.problems(load_params(params_file))
     except ParamsError as e:
         click.secho(str(e), fg="red", err=True)
+        sys.exit(1)
+    if found:
+        click.secho(f"{params_file}: " + "\n  ".join(["refused:", *found]), fg="red", err=True)
         sys.exit(1)
     click.echo(f"{params_file}: ok")
 

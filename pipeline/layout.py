@@ -6,6 +6,9 @@ ARTIFACTS = Path("artifacts")
 METRICS = Path("metrics")
 REPORTS = Path("reports")
 
+# check stage (first; every stage depends on it): the same bytes whenever the inputs are valid
+CHECKED = ARTIFACTS / "check.json"
+
 # model stage: the embedded target's HF directory (when built) + target.json (always)
 MODEL_DIR = ARTIFACTS / "model"
 TARGET_JSON = MODEL_DIR / "target.json"

@@ -1,19 +1,33 @@
-"""The invalidation contract, against real `dvc repro` runs of the real stages on tiny params.
+"""The invalidation table (pipeline/invalidation.py) against the schema, dvc.yaml, the docs and real DVC.
 
-`dvc status` and `repro --dry` only show directly changed stages, so these tests assert on
-the stages `Repo.reproduce()` actually ran.
+Fast: every params.yaml key is classified, dvc.yaml's `params:` lists are exactly the table, and
+docs/ARCHITECTURE.md shows the same table. Slow (one real `dvc repro` of the tiny embedded
+project, shared by the module): DVC's own status for a changed value of every key, real repros
+for a few keys, a typo that must not cost verify's outputs, `dvc repro` from a clean shell, and
+the same bytes from a second run of model, prepare, extract and verify.
+
+`dvc status` and `repro --dry` only show directly changed stages; what else runs follows from
+which outputs change, so the real repros assert on the stages `Repo.reproduce()` actually ran.
 """
 
+import hashlib
 import os
+import re
 import shutil
+import subprocess
 import sys
+import typing
 from pathlib import Path
 
 import pytest
 import yaml
 
+from pipeline import invalidation
+from pipeline.params import Params
+
 ROOT = Path(__file__).resolve().parents[1]
-ALL = {"model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
+BIN = Path(sys.executable).parent
+ALL = {"check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
 TINY = {
     "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
@@ -23,8 +37,8 @@ TINY = {
     "train": {"epochs": 1},
     "eval": {"num_prompts": 2, "max_tokens": 8},
 }
-
-pytestmark = pytest.mark.slow
+VERIFY_OUTS = ("artifacts/verify/verdict.json", "reports/verify/report.md", "reports/verify/findings.json",
+               "metrics/verify.json", "metrics/verify_layers.csv")
 
 
 def merge(base: dict, extra: dict) -> dict:
@@ -33,18 +47,112 @@ def merge(base: dict, extra: dict) -> dict:
     return base
 
 
+# --- the table itself: no DVC run --------------------------------------------------------------
+
+
+def test_every_param_is_classified():
+    keys = invalidation.leaf_keys(Params)
+    unclassified = [k for k in keys if k not in invalidation.RERUNS]
+    assert not unclassified, (
+        f"params.yaml keys with no entry in pipeline/invalidation.py RERUNS: {unclassified}. Add each with the "
+        "stages whose output bytes it changes (reruns(...)) or tuning(why) if it changes none, list it in those "
+        "stages' dvc.yaml params, and add its row to docs/ARCHITECTURE.md (python -m pipeline.invalidation)")
+    assert not set(invalidation.RERUNS) - set(keys), "RERUNS names keys the schema no longer has"
+    for key, rule in invalidation.RERUNS.items():
+        assert set(rule.stages) <= set(invalidation.STAGES) and rule.why, key
+
+
+def listed_keys(entries: list, all_keys: list[str]) -> set[str]:
+    """The schema keys a dvc.yaml `params:` list covers: a key, a section (all below it), or a whole file."""
+    covered = set()
+    for entry in entries:
+        if isinstance(entry, dict):  # `- params.yaml:` with no keys: every key of the file
+            assert list(entry) == ["params.yaml"] and next(iter(entry.values())) is None, entry
+            covered |= set(all_keys)
+            continue
+        hit = {k for k in all_keys if k == entry or k.startswith(f"{entry}.")}
+        assert hit, f"dvc.yaml lists {entry!r}, which is no key of the schema"
+        covered |= hit
+    return covered
+
+
+def test_dvc_yaml_params_are_exactly_the_table():
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    keys = invalidation.leaf_keys(Params)
+    assert set(stages) == {"check", *invalidation.STAGES}
+    assert listed_keys(stages["check"]["params"], keys) == set(keys), "the check stage must see every key"
+    for stage in invalidation.STAGES:
+        got = listed_keys(stages[stage].get("params", []), keys)
+        want = set(invalidation.stage_keys(stage))
+        assert got == want, (f"dvc.yaml stage {stage}: lists but the table does not: {sorted(got - want)}; "
+                             f"the table has but dvc.yaml does not list: {sorted(want - got)}")
+        assert "artifacts/check.json" in stages[stage]["deps"], f"{stage} must depend on the check stage"
+
+
+def test_architecture_doc_shows_the_table():
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z_.0-9]+)` \| ([^|]*) \|", doc, re.M)}
+    want = {k: invalidation.stages_text(rule) for k, rule in invalidation.RERUNS.items()}
+    assert {k: rows.get(k) for k in want} == want, "docs/ARCHITECTURE.md: re-generate with python -m pipeline.invalidation"
+
+
+# --- real DVC on the tiny embedded project ------------------------------------------------------
+
+
+def schema_field(key: str):
+    model, field = Params, None
+    for part in key.split("."):
+        field = model.model_fields[part]
+        model = field.annotation
+    return field
+
+
+def changed_value(key: str, value):
+    """A different value of `key`, of the kind a user would type (not necessarily valid together)."""
+    annotation = schema_field(key).annotation
+    literal = [a for a in (annotation, *typing.get_args(annotation)) if typing.get_origin(a) is typing.Literal]
+    if literal:
+        return next(c for c in typing.get_args(literal[0]) if c != value)
+    if isinstance(value, bool):
+        return not value
+    if value is None:
+        return {"extract.layer_ids": [1, 4, 6, 8], "runtime.shm_size": "16g", "runtime.model_cache": "/tmp/hf"}.get(key, 4)
+    if isinstance(value, int):
+        return value + 1
+    if isinstance(value, float):
+        return value / 2 if value else 0.5
+    if isinstance(value, list):
+        return [*value, "HF_TOKEN"]
+    return f"{value}-other"
+
+
+def get_path(d: dict, key: str):
+    for part in key.split("."):
+        d = d[part]
+    return d
+
+
+def set_path(d: dict, key: str, value) -> None:
+    *head, last = key.split(".")
+    for part in head:
+        d = d[part]
+    d[last] = value
+
+
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
+    """The tiny embedded project, reproduced once in full (every slow test below starts from it finished)."""
     from dvc.repo import Repo
 
     root = tmp_path_factory.mktemp("project")
-    for name in ("pipeline", "data"):
+    for name in ("pipeline", "data", "bin"):
         shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     Repo.init(str(root), no_scm=True)
-    os.environ["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+    assert reproduce(root) == ALL
     return root
 
 
@@ -61,31 +169,140 @@ def reproduce(root: Path, **kwargs) -> set[str]:
         os.chdir(cwd)
 
 
+def changed_stages(root: Path) -> set[str]:
+    """The stages `dvc status` reports changed (directly: their own deps, params or outputs)."""
+    from dvc.repo import Repo
+
+    with Repo(str(root)) as repo:
+        return {name.rpartition(":")[2] for name in repo.status()}
+
+
 def set_param(root: Path, section: str, key: str, value) -> None:
     path = root / "params.yaml"
     params = yaml.safe_load(path.read_text())
-    params[section][key] = value
+    set_path(params, f"{section}.{key}", value)
     path.write_text(yaml.safe_dump(params, sort_keys=False))
 
 
-def test_invalidation_contract(project):
-    assert reproduce(project) == ALL
+@pytest.mark.slow
+def test_dvc_status_of_every_key_is_the_table(project):
+    """For each key, a changed value: DVC sees exactly the check plus the stages the table names."""
+    path = project / "params.yaml"
+    original = path.read_text()
+    assert changed_stages(project) == set()
+    wrong = {}
+    try:
+        for key, rule in invalidation.RERUNS.items():
+            params = yaml.safe_load(original)
+            set_path(params, key, changed_value(key, get_path(params, key)))
+            path.write_text(yaml.safe_dump(params, sort_keys=False))
+            got = changed_stages(project)
+            if got != {"check", *rule.stages}:
+                wrong[key] = sorted(got)
+    finally:
+        path.write_text(original)
+    assert not wrong, f"DVC would run other stages than the table says: {wrong}"
+
+
+@pytest.mark.slow
+def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(project):
     assert reproduce(project) == set(), "no change must run nothing"
 
-    set_param(project, "extract", "layer_ids", [1, 4, 6, 8])
-    assert reproduce(project) == {"extract", "verify", "train", "eval"}
+    for key, value in (("extract.max_num_seqs", 7), ("verify.workers", 1), ("eval.cpu_kvcache_gib", 2),
+                       ("data.regenerate.max_num_seqs", 3)):
+        section, _, name = key.partition(".")
+        set_param(project, section, name, value)
+        assert reproduce(project) == {"check"}, f"{key} is engine tuning: only the check runs"
 
-    # regenerate reads data.seq_len (its generation budget), so it re-runs too (instantly, when off)
+    set_param(project, "extract", "layer_ids", [1, 4, 6, 8])
+    assert reproduce(project) == {"check", "extract", "verify", "train", "eval"}
+
+    # with regeneration off, regenerate writes the same {"enabled": false}: prepare re-runs for its own key
     set_param(project, "data", "seq_len", 200)
-    assert reproduce(project) == {"regenerate", "prepare", "extract", "verify", "train", "eval"}
+    assert reproduce(project) == {"check", "regenerate", "prepare", "extract", "verify", "train", "eval"}
 
     set_param(project, "train", "lr", 0.001)
-    assert reproduce(project) == {"train", "eval"}
+    assert reproduce(project) == {"check", "train", "eval"}
 
     # the verdict is deterministic, so a verify-only change that passes again stops at verify
     set_param(project, "verify", "reference_samples", 3)
-    assert reproduce(project) == {"verify"}
+    assert reproduce(project) == {"check", "verify"}
 
     set_param(project, "eval", "max_tokens", 6)
-    assert reproduce(project) == {"eval"}
+    assert reproduce(project) == {"check", "eval"}
     assert reproduce(project) == set()
+
+
+def dvc_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([str(BIN / "dvc"), *args], cwd=root, capture_output=True, text=True, timeout=900, env=env)
+
+
+def digests(root: Path, paths) -> dict[str, str]:
+    return {p: hashlib.sha256((root / p).read_bytes()).hexdigest() for p in paths}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key, typed, named", [
+    ("verify.reference_samples", "eight", "verify.reference_samples"),
+    ("verify.reference_samples", 0, "verify.reference_samples"),
+    ("data.seq_len", 4096, "max_position_embeddings is 2048"),
+])
+def test_a_typo_costs_no_finished_output(project, key, typed, named):
+    """As typed: a finished pipeline, a bad value, `dvc repro verify` refused naming it, verify's
+    outputs (the cache: false report and metrics too) untouched; fixed, `dvc repro` re-runs nothing."""
+    assert reproduce(project) == set()
+    before = digests(project, VERIFY_OUTS)
+    path = project / "params.yaml"
+    original = path.read_text()
+    section, _, name = key.partition(".")
+    set_param(project, section, name, typed)
+    proc = dvc_cli(project, "repro", "verify")
+    assert proc.returncode != 0
+    assert named in proc.stderr + proc.stdout, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert digests(project, VERIFY_OUTS) == before
+    path.write_text(original)
+    assert reproduce(project) <= {"check"}, "fixed: the check (or its run-cache) and nothing else"
+    assert digests(project, VERIFY_OUTS) == before
+    assert changed_stages(project) == set()
+
+
+@pytest.mark.slow
+def test_dvc_repro_as_typed_from_a_new_shell(project):
+    """`make setup` made .venv; a new shell has neither it on PATH nor PYTHONPATH (env -i)."""
+    os.symlink(ROOT / ".venv", project / ".venv")
+    shell = {"PATH": "/usr/bin:/bin", "HOME": os.environ.get("HOME", "/tmp")}
+    try:
+        set_param(project, "verify", "seed", 1)  # verify runs (real stage, real engine-free work)
+        proc = subprocess.run([".venv/bin/dvc", "repro"], cwd=project, env=shell, capture_output=True, text=True,
+                              timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Running stage 'verify'" in proc.stdout and "Running stage 'model'" not in proc.stdout
+        set_param(project, "extract", "max_num_seqs", 5)  # only the check runs, this time in an activated shell
+        proc = subprocess.run(["sh", "-c", ". .venv/bin/activate && dvc repro && dvc status"], cwd=project,
+                              env=shell, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        assert "Running stage 'check'" in proc.stdout and "up to date" in proc.stdout, proc.stdout
+    finally:
+        (project / ".venv").unlink()
+
+
+def lock_outs(root: Path, stages) -> dict[str, str]:
+    lock = yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+    return {f"{s}:{o['path']}": o.get("md5") for s in stages for o in lock[s].get("outs", [])}
+
+
+@pytest.mark.slow
+def test_a_second_run_gives_the_same_bytes(project):
+    """model, prepare, extract and verify run again alone (-f -s): dvc.lock records the same hashes for
+    what later stages read (verify's report and metrics hold timings: not compared)."""
+    assert reproduce(project) == set()
+    stages = ("check", "model", "prepare", "extract")
+    before = {**lock_outs(project, stages), "verdict": digests(project, VERIFY_OUTS[:1])}
+    for stage in (*stages, "verify"):
+        assert reproduce(project, targets=[stage], force=True, single_item=True) == {stage}
+    after = {**lock_outs(project, stages), "verdict": digests(project, VERIFY_OUTS[:1])}
+    after = {k: v for k, v in after.items() if "metrics/" not in k}
+    before = {k: v for k, v in before.items() if "metrics/" not in k}
+    assert after == before
+    assert changed_stages(project) == set()

@@ -275,7 +275,9 @@ def test_prune_drops_only_links_a_restored_output_made_redundant(tmp_path, monke
 def test_every_stage_goes_through_the_launcher_and_depends_on_the_image():
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
     for name, stage in stages.items():
-        assert stage["cmd"] == f"python -m pipeline run {name}"
+        assert stage["cmd"] == f"bin/python -m pipeline run {name}"
+        if name == "check":  # reads all of params.yaml, runs natively (pipeline/stages/check.py)
+            continue
         assert "runtime.image" in stage["params"], name
         assert not any(str(p).startswith("runtime.mode") or p == "runtime" for p in stage["params"]), name
 

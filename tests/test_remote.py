@@ -10,7 +10,7 @@ tests/test_dvc_invalidation.py, and fresh copies of the project holding only wha
   restores the extraction from the run-cache instead of running it.
 
 Which stage commands really ran is read from a `python` wrapper first on PATH (every dvc.yaml cmd
-is `python -m pipeline run <stage>`), independently of timing and of what DVC reports.
+is `bin/python -m pipeline run <stage>`, which runs the `python` on PATH where the project has no .venv), independently of timing and of what DVC reports.
 
 A fast test on a toy pipeline shows why `make push` is more than `dvc push --run-cache`.
 """
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BUCKET = "eagle3-dvc-remote"
 # what a git clone of a project that ran the pipeline holds (README: "Teammates: share and reuse")
-CARRIED = ("pipeline", "data", "dvc.yaml", "params.yaml", "dvc.lock", ".dvcignore", ".dvc/config", "metrics", "reports")
+CARRIED = ("pipeline", "data", "bin", "dvc.yaml", "params.yaml", "dvc.lock", ".dvcignore", ".dvc/config", "metrics", "reports")
 HIDDEN_META = Path("artifacts/hidden_states/extract_meta.json")
 # CPU vLLM has no attention kernel for head_dim 16 (TINY's 64 / 4 heads): keep head_dim at 32
 PARAMS = merge(copy.deepcopy(TINY), {"model": {"embedded": {"num_heads": 2, "num_kv_heads": 1}}})
@@ -161,7 +161,7 @@ def origin(tmp_path_factory, s3_endpoint, run_log):
     from dvc.repo import Repo
 
     root = tmp_path_factory.mktemp("origin")
-    for name in ("pipeline", "data"):
+    for name in ("pipeline", "data", "bin"):
         shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), copy.deepcopy(PARAMS))
@@ -174,7 +174,7 @@ def origin(tmp_path_factory, s3_endpoint, run_log):
     share_push(root)
 
     set_param(root, "extract", "layer_ids", [1, 4, 6, 8])
-    assert reproduce(root) == {"extract", "verify", "train", "eval"}
+    assert reproduce(root) == {"check", "extract", "verify", "train", "eval"}
     share_push(root)
     return root, first
 
@@ -242,8 +242,8 @@ def test_teammate_pulls_then_repro_runs_nothing_and_lr_reruns_only_train(origin,
     assert ran(run_log, start) == []
 
     set_param(clone, "train", "lr", 0.001)
-    assert reproduce(clone) == {"train", "eval"}
-    assert sorted(ran(run_log, start)) == ["eval", "train"]
+    assert reproduce(clone) == {"check", "train", "eval"}
+    assert sorted(ran(run_log, start)) == ["check", "eval", "train"]
 
 
 @pytest.mark.slow
@@ -261,7 +261,7 @@ def test_repro_pull_restores_an_extraction_already_run(origin, tmp_path, run_log
     assert not {"model", "prepare"} & set(runs), runs
     # not in the run-cache, so they run: train (its output persists, to resume from checkpoints),
     # verify and eval (they have `cache: false` outputs, reports/, which DVC does not run-cache)
-    assert set(runs) <= {"verify", "train", "eval"}, runs
+    assert set(runs) <= {"check", "verify", "train", "eval"}, runs
     # the restored extraction is the origin's first one, its metrics included (its timings too)
     assert (clone / HIDDEN_META).read_text() == first["meta"]
     assert (clone / "metrics/extract.json").read_text() == first["metrics"]

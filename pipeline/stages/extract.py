@@ -15,7 +15,7 @@ import json
 import socket
 import time
 
-from pipeline import shards, vllm_compat
+from pipeline import invalidation, shards, vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.extraction.engine import Progress, extract_shards
@@ -93,7 +93,9 @@ def _run(params: ExtractParams, cluster=None) -> None:
         "num_layers": target.num_layers,
         "model_files_sha256": target.fingerprint.get("files", {}),
         "prepared_dataset_sha256": key_fields["prepared_dataset_sha256"],
-        "params": params.model_dump(),
+        # only the keys that define the shards: tuning (batch sizes, parallelism, memory) goes to metrics,
+        # so a run with other tuning writes the same bytes (pipeline/invalidation.py)
+        "params": invalidation.output_params(params, "extract", "extract"),
         "world_size": params.world_size,
         "samples_per_shard": params.samples_per_shard,
         "complete": False,
@@ -135,6 +137,7 @@ def _run(params: ExtractParams, cluster=None) -> None:
         "time_s": {k: round(v, 3) for k, v in sorted(prog.time_s.items())},
         "vllm_version": version,
         "engine": params.engine,
+        "engine_params": {k: v for k, v in params.model_dump().items() if k not in meta["params"]},
         **prog.extra,
         # what `python -m pipeline plan` needs to reuse this run's tok/s for a projection here
         "host": socket.gethostname(),

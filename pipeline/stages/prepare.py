@@ -14,6 +14,7 @@ from pathlib import Path
 
 from datasets import Dataset, Features, List, Value
 
+from pipeline import invalidation
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
 from pipeline.layout import (
@@ -50,7 +51,7 @@ def regenerated_source(path: Path, params: DataParams) -> dict:
         raise DataError(f"data.regenerate.enabled is true but {REGENERATED_META} is missing; "
                         "run the regenerate stage first (`dvc repro` or `make prepare` runs it)")
     meta = json.loads(REGENERATED_META.read_text())
-    expected = {"enabled": True, "source_sha256": sha256_file(path), "regenerate": params.regenerate.model_dump(),
+    expected = {"enabled": True, "source_sha256": sha256_file(path), "regenerate": invalidation.regenerated_params(params),
                 "seq_len": params.seq_len, "on_error": params.on_error}
     stale = [k for k, v in expected.items() if meta.get(k) != v]
     if stale:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.atomic import atomic_write_text, remove_stale_temps
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
+from pipeline.invalidation import regenerated_params
 from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR, REGENERATED_META
 from pipeline.params import DataParams, RegenerateParams
 from pipeline.progress import progress
@@ -36,7 +37,7 @@ def chunk_path(k: int) -> Path:
 
 def provenance(params: DataParams, source_sha256: str) -> dict:
     """What prepare checks before it trusts the regenerated data (see prepare.regenerated_source)."""
-    return {"enabled": True, "source_sha256": source_sha256, "regenerate": params.regenerate.model_dump(),
+    return {"enabled": True, "source_sha256": source_sha256, "regenerate": regenerated_params(params),
             "seq_len": params.seq_len, "on_error": params.on_error}
 
 
@@ -62,7 +63,8 @@ def run(params: DataParams) -> None:
     tok = load_tokenizer(target)
     convs = tokenize_chats(path, chats, tok, params.on_error, counts)
     meta = provenance(params, sha256_file(path))
-    run_key = sha256_json({**meta, "target": target.fingerprint})
+    # chunk k's conversations depend on the chunk size: a resume needs it, the output does not
+    run_key = sha256_json({**meta, "target": target.fingerprint, "conversations_per_chunk": cfg.conversations_per_chunk})
     chunks = [convs[i : i + cfg.conversations_per_chunk] for i in range(0, len(convs), cfg.conversations_per_chunk)]
     done = resume_chunks(run_key, len(chunks))
 
