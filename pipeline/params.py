@@ -306,8 +306,9 @@ class EvalParams(_Section):
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
 
 
-# The base image the container builds FROM, pinned by tag and digest (docker/Dockerfile, README).
-DEFAULT_IMAGE = "vllm/vllm-openai:v0.30.0@sha256:8a69ffad015f138d7170c4ddc429e230a3bc1c1719f67e14324749df200a4b90"
+# The base image the GPU container builds FROM, pinned by tag and digest (docker/Dockerfile): the
+# vLLM release the H200 runs were measured with. The digest is not verified against a registry (README).
+DEFAULT_IMAGE = "vllm/vllm-openai:v0.26.0@sha256:ffb2d59b1c059a5bd8d781320c9f5189de8293693b7d95da54befddaa54abf52"
 
 
 class RuntimeParams(_Section):
@@ -317,7 +318,14 @@ class RuntimeParams(_Section):
         "native", description="native = this Python environment; docker = inside the image built from runtime.image (make docker-build)."
     )
     image: str = Field(
-        DEFAULT_IMAGE, description="Base vLLM OpenAI image as name:tag@sha256:<digest>; docker/Dockerfile builds FROM it."
+        DEFAULT_IMAGE,
+        description="Base image as name:tag@sha256:<digest>: the vLLM OpenAI image for recipe gpu, a Debian base for recipe cpu (make docker-base).",
+    )
+    recipe: Literal["gpu", "cpu"] = Field(
+        "gpu", description="gpu = docker/Dockerfile (FROM the vLLM image); cpu = docker/Dockerfile.cpu (the vllm-cpu stack of requirements/cpu.txt)."
+    )
+    network: str = Field(
+        "none", description="docker run --network: none = nothing downloads at run time; host e.g. for extract.engine: ray."
     )
     gpus: str = Field("all", description="docker run --gpus value: all, 2, or '\"device=0,1\"' (docker wants those quotes); none leaves it out.")
     shm_size: str | None = Field(None, description="null = --ipc=host (what vLLM and NCCL want); else --shm-size, e.g. '16g'.")
