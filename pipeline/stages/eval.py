@@ -169,11 +169,16 @@ def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, ma
         lines += [
             "",
             f"**A gap above {max_gap} at some position.** Training data and serving disagree about what the draft sees. "
-            "Most likely the hidden states it was trained on are not the ones vLLM feeds it: a layer-id convention "
+            "Either the hidden states it was trained on are not the ones vLLM feeds it: a layer-id convention "
             "mismatch (state entering vs leaving a layer, off by one) or the final state taken after instead of before "
             "the final norm (check the verify stage's report and extract_meta.json layer_ids against the draft's "
-            "eagle_aux_hidden_state_layer_ids). Smaller gaps can also come from the distribution shift between the "
-            "training conversations and the target's own greedy outputs.",
+            "eagle_aux_hidden_state_layer_ids). Or the training conversations are not text the target writes: "
+            "training scores the draft teacher-forced on them, serving on the target's own greedy output; a target "
+            "that fits its data poorly (the verify report's next-token accuracy well below 1) shows gaps of this size "
+            "(docs/BENCHMARKS.md, issue 23), and on-policy data (data.regenerate.enabled) closes them. "
+            "`python bench/acceptance_probe.py --out probe.json` tells the two apart: the trained draft teacher-forced "
+            "on the target's own greedy text, walked like vLLM's draft/verify loop, matches vLLM's acceptance when the "
+            "serving path feeds the draft as training did.",
         ]
     lines.append("")
     atomic_write_text(EVAL_REPORT, "\n".join(lines))
