@@ -122,6 +122,9 @@ RERUNS: dict[str, Rule] = {
     "plan.calibration_samples": tuning("read by `python -m pipeline plan` only; no stage"),
     "runtime.image": reruns(*STAGES, why="the container's vLLM, torch and speculators run every stage"),
     "runtime.mode": tuning("native and docker run the same code on the same data (byte-identical shards, README)"),
+    "runtime.recipe": tuning("gpu or cpu recipe for the container; a new base comes with a new runtime.image, "
+                             "which every stage lists"),
+    "runtime.network": tuning("the container's network (none: nothing downloads at run time); not the data"),
     "runtime.gpus": tuning("which devices the container sees"),
     "runtime.shm_size": tuning("the container's shared memory"),
     "runtime.model_cache": tuning("where the container finds the Hugging Face cache"),
