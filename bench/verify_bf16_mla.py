@@ -5,8 +5,8 @@ Usage (after `dvc repro verify` in a project with `model.embedded.architecture: 
     python bench/verify_bf16_mla.py --project /tmp/ds-run --out /tmp/ds-bf16
 
 Copies the project's target and prepared data into OUT/bf16 and OUT/bf16-rotary-fault, extracts
-each in bfloat16 (the second with EAGLE3_TEST_KEEP_CPU_ROTARY_OP=1, the test-only switch that
-leaves the faulty kernel on), runs verify with default params and prints, per layer, the pooled
+each in bfloat16 (the second with the fix taken out of `vllm_compat.cpu_mla_overrides` in this
+process, which leaves the faulty kernel on), runs verify with default params and prints, per layer, the pooled
 error against its allowance and the per-token error distribution of vLLM's and of an independent
 transformers bf16 forward (MoE routing flips show as a long tail in both). docs/BENCHMARKS.md has
 a run.
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
@@ -32,14 +31,20 @@ def run(project: Path, root: Path, fault: bool) -> None:
     shutil.rmtree(root, ignore_errors=True)
     for part in (layout.TARGET_JSON.parent, layout.PREPARED_DIR):
         shutil.copytree(project / part, root / part)
+    fixed = vllm_compat.cpu_mla_overrides
     if fault:
-        os.environ[vllm_compat.KEEP_CPU_ROTARY_ENV] = "1"
+        def with_the_faulty_kernel(*args, **kwargs):
+            out = fixed(*args, **kwargs)
+            out.pop("compilation_config", None)
+            return out
+
+        vllm_compat.cpu_mla_overrides = with_the_faulty_kernel
     t0 = time.time()
     try:
         with contextlib.chdir(root):
             extract.run(ExtractParams(dtype="bfloat16"))
     finally:
-        os.environ.pop(vllm_compat.KEEP_CPU_ROTARY_ENV, None)
+        vllm_compat.cpu_mla_overrides = fixed
     try:
         with contextlib.chdir(root):
             verify.run(VerifyParams())

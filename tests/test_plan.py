@@ -1,9 +1,9 @@
 """Capacity planning (pipeline/plan.py) and the extract stage's refusal to start without the space.
 
 The refusal is tested through the real CLI entry (`python -m pipeline run extract`, launcher
-included) in a child process, with the free bytes the output's filesystem reports made small by the
-test hook of pipeline/extraction/capacity.py (EAGLE3_TEST_FREE_BYTES); the projection is checked against the bytes a
-real extraction of the same data wrote.
+included) in a child process, on a real filesystem too small for the projection (a tmpfs sized
+below it, mounted at the project's artifacts/: needs root, as CI runs); the projection is checked
+against the bytes a real extraction of the same data wrote.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,23 +49,40 @@ def projected(root: Path, **kw) -> plan.Plan:
 
 
 def test_extract_refuses_before_any_engine_when_the_disk_is_too_small(tmp_path, tiny_target, prepared, project_root):
-    root = project_copy(project_root, tmp_path / "p")
-    need = projected(root, tok_per_s=1.0).need
+    need = projected(project_copy(project_root, tmp_path / "sized"), tok_per_s=1.0).need
     assert need.shard_bytes > 0 and need.required > need.needed > need.shard_bytes
-    free = need.required - 1  # one byte short of the projection + margin
-    env = {**os.environ, "PYTHONPATH": str(ROOT), capacity.FREE_BYTES_ENV: str(free)}
-    proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    assert "EXIT=1 VLLM_IMPORTED=False" in proc.stdout, proc.stdout + proc.stderr
-    msg = " ".join(proc.stderr.split())
-    assert "not enough free space for the extraction" in msg
-    assert plan.human_bytes(need.shard_bytes) in msg and plan.human_bytes(free) in msg
-    for hint in ("data.max_samples", "data.seq_len", "extract.layer_ids", "extract.dtype", "free_space_margin"):
-        assert hint in msg, hint
-    # nothing written: no output, no work directory, no scratch, no metrics
-    assert not os.path.lexists(root / layout.HIDDEN_STATES_DIR)
-    assert not (root / "artifacts" / ".partial").exists()
-    assert not (root / "artifacts" / "hidden_states.scratch").exists()
-    assert not (root / layout.METRICS / "extract.json").exists()
+    # artifacts/ on a tmpfs that holds the project's inputs and a few pages less than the projection
+    root = tmp_path / "p"
+    disk = root / "artifacts"
+    disk.mkdir(parents=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True, text=True)
+    if mounted.returncode:
+        if os.environ.get("CI") == "true":
+            pytest.fail(f"cannot mount a tmpfs (CI runs as root): {mounted.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here (not root?): {mounted.stderr}")
+    try:
+        project_copy(project_root, root)
+        (root / "params.yaml").write_text(yaml.safe_dump({"extract": EXTRACT_PARAMS}))
+        used = shutil.disk_usage(disk).used
+        size = (used + need.required) // 4096 * 4096 - 2 * 4096
+        subprocess.run(["mount", "-o", f"remount,size={size}", str(disk)], check=True)
+        free = capacity.free_bytes(root / layout.HIDDEN_STATES_DIR)
+        assert free < need.required, (free, need.required)
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        proc = subprocess.run([sys.executable, "-c", DRIVER], cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert "EXIT=1 VLLM_IMPORTED=False" in proc.stdout, proc.stdout + proc.stderr
+        msg = " ".join(proc.stderr.split())
+        assert "not enough free space for the extraction" in msg
+        assert plan.human_bytes(need.shard_bytes) in msg, msg
+        for hint in ("data.max_samples", "data.seq_len", "extract.layer_ids", "extract.dtype", "free_space_margin"):
+            assert hint in msg, hint
+        # nothing written: no output, no work directory, no scratch, no metrics
+        assert not os.path.lexists(root / layout.HIDDEN_STATES_DIR)
+        assert not (root / "artifacts" / ".partial").exists()
+        assert not (root / "artifacts" / "hidden_states.scratch").exists()
+        assert not (root / layout.METRICS / "extract.json").exists()
+    finally:
+        subprocess.run(["umount", str(disk)], check=False)
 
 
 @pytest.mark.slow

@@ -16,9 +16,6 @@ from pathlib import Path
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 IDS_MASK_BYTES = 9  # int64 input id + uint8 loss mask per token (docs/FORMAT.md)
-# --- Test hook, for tests/test_plan.py only; inert unless set: the free bytes the output's filesystem
-# reports (so the over-capacity refusal can be tested without filling a real disk). ---
-FREE_BYTES_ENV = "EAGLE3_TEST_FREE_BYTES"
 
 
 def human_bytes(n: float) -> str:
@@ -110,8 +107,6 @@ def existing_ancestor(path: Path) -> Path:
 
 def free_bytes(path: Path) -> int:
     """Bytes an unprivileged process may still write on `path`'s filesystem (or its nearest existing parent)."""
-    if (forced := os.environ.get(FREE_BYTES_ENV)) is not None:
-        return int(float(forced))
     return shutil.disk_usage(existing_ancestor(path)).free
 
 
