@@ -100,8 +100,7 @@ class Coherence:
         self.weights: list[torch.Tensor] | None = None  # per fold, the predictors that score it: [(L + 1) H + 1, (L + 1) H]
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
-        self._compute_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # fold -> (weights, as scored)
-        self._difference_cache: tuple[torch.Tensor, torch.Tensor] | None = None  # (weights, _layer_differences)
+        self._compute_cache: dict[int, tuple] = {}  # fold -> (weights, as scored, layer differences)
 
     def inputs(self, rows: np.ndarray, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[P, L, H] rows (numpy; bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
@@ -131,7 +130,7 @@ class Coherence:
         means = []
         for fold, _sid, x in chunks:
             h = x[:, : L * H].reshape(-1, L, H)
-            means.append(self._shares(h, self._predict(x, self._compute_weights(fold))).clamp_min(1e-30).log().mean(0))
+            means.append(self._shares(h, self._predict(x, self._compute_weights(fold)[0])).clamp_min(1e-30).log().mean(0))
         means = torch.stack(means).double()
         median = means.median(0).values
         sigma = ((means - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
@@ -177,22 +176,18 @@ class Coherence:
             weights[inputs, j * H : (j + 1) * H] = w / scale[inputs][:, None] * scale[target][None, :]
         return weights.float()
 
-    def _compute_weights(self, fold: int) -> torch.Tensor:
-        """The fold's predictors in the dtype the scoring matmul runs in: bf16 on a GPU (tensor cores:
-        rounding adds ~1e-5 to a share of ~1e-1), converted once, not per sample."""
+    def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The fold's predictors in the dtype the scoring matmul runs in (bf16 on a GPU: tensor cores; rounding
+        adds ~1e-5 to a share of ~1e-1), and [L - 1, H, (L + 1) H] W_i - W_{i+1}, the differences of adjacent
+        captured layers' input rows (the exchange test); made once per fit and fold, not per sample."""
         weights = self.weights[fold]
-        if self._compute_cache.get(fold, (None,))[0] is not weights:
-            self._compute_cache[fold] = (weights, weights.bfloat16() if self.device.type == "cuda" else weights)
-        return self._compute_cache[fold][1]
-
-    def _layer_differences(self, weights: torch.Tensor) -> torch.Tensor:
-        """[L - 1, H, (L + 1) H]: W_i - W_{i+1}, the rows of adjacent captured layers' inputs (per weights, once)."""
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        cached = self._difference_cache
+        cached = self._compute_cache.get(fold)
         if cached is None or cached[0] is not weights:
-            w = weights[: L * H].float().reshape(L, H, -1)
-            self._difference_cache = cached = (weights, (w[:-1] - w[1:]).to(weights.dtype))
-        return cached[1]
+            L, H = len(self.layer_ids), self.embedding.shape[1]
+            dtype = torch.bfloat16 if self.device.type == "cuda" else weights.dtype
+            rows = weights[: L * H].reshape(L, H, -1)
+            cached = self._compute_cache[fold] = (weights, weights.to(dtype), (rows[:-1] - rows[1:]).to(dtype))
+        return cached[1], cached[2]
 
     def _predict(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.mm(x.to(weights.dtype), weights).float()
@@ -223,7 +218,7 @@ class Coherence:
             return SampleScores(sid, positions[:0], torch.zeros(0, 2 * L + 3))
         pos = torch.from_numpy(positions)
         h, x = self.inputs(hidden[positions], dtype, ids[pos])
-        weights = self._compute_weights(self.fold(sid))
+        weights, differences = self._compute_weights(self.fold(sid))
         P, k = h.shape[0], min(h.shape[0], EXCHANGE_POSITIONS)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
         # next judged position) reuse the first product rolled by a row, the exchange rows correct it with
@@ -247,7 +242,7 @@ class Coherence:
         if L > 1:
             given = share[:k, :L].sum(1).clamp_min(1e-30).log()
             hk = h[:k].transpose(0, 1)  # [L, k, H]
-            swapped_pred = pred[None, :k] + torch.bmm((hk[1:] - hk[:-1]).to(weights.dtype), self._layer_differences(weights)).float()
+            swapped_pred = pred[None, :k] + torch.bmm((hk[1:] - hk[:-1]).to(weights.dtype), differences).float()
             swapped_pred = swapped_pred.reshape(L - 1, k, L + 1, H)[:, :, :L]
             hx = h[:k].expand(L - 1, -1, -1, -1).clone()  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             for i in range(L - 1):
