@@ -198,15 +198,19 @@ def render_sample_tests(t: dict | None) -> list[str]:
         f"(median and a robust sigma, 1.4826 x the median absolute deviation). A window fails above z = {t['z_threshold']}, "
         f"the normal quantile that holds the whole run's false-alarm probability to {t['false_alarm_bound']:g} over every "
         "window of every test (Bonferroni); a window against its own sample's median (samples long enough) fails above "
-        f"{t.get('within_z_threshold')} (its clean tails are heavier). Separately, each sample's adjacent captured layers are tried exchanged: a sample "
+        "its test's threshold in the last column: its clean tails are heavier than the robust sigma's normal law, so the "
+        "threshold is the same normal quantile with the location and scale of this run's own within-sample scores of that "
+        "test at their 80th and 99th percentiles, never below the normal one. Separately, each sample's adjacent captured layers are tried exchanged: a sample "
         "that fits 1.5x better with two layers swapped has them swapped.",
         "",
         "| test | run's median residual share | robust sigma (log) | highest window z of the run | threshold z | highest within-sample z | threshold |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     within = t.get("max_within_z") or [float("nan")] * len(t["tests"])
-    for name, med, sig, mz, wz in zip(t["tests"], t["population_median_share"], t["robust_sigma_log"], t["max_z"], within, strict=True):
-        out.append(f"| {name} | {med:.3g} | {sig:.3g} | {mz:.1f} | {t['z_threshold']} | {wz:.1f} | {t.get('within_z_threshold')} |")
+    within_at = t.get("within_z_threshold") or [float("nan")] * len(t["tests"])
+    for name, med, sig, mz, wz, wt in zip(t["tests"], t["population_median_share"], t["robust_sigma_log"], t["max_z"], within,
+                                          within_at, strict=True):
+        out.append(f"| {name} | {med:.3g} | {sig:.3g} | {mz:.1f} | {t['z_threshold']} | {wz:.1f} | {wt:.1f} |")
     out += ["", f"Predictors fitted on {t['fit_tokens']} token rows. Exchange test: the best gain of any sample from an "
             f"exchange is {t.get('exchange_max_gain_log', float('nan')):.3g} (log; > 0 fails).", ""]
     return out
