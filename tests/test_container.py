@@ -50,7 +50,7 @@ SMALL = {
     "train": {"epochs": 2},
     "eval": {"num_prompts": 8, "max_tokens": 32},
 }
-COPIED = ("pipeline", "data", "docker", "requirements", "dvc.yaml", "pyproject.toml", "Makefile")
+COPIED = ("pipeline", "data", "bin", "docker", "requirements", "dvc.yaml", "pyproject.toml", "Makefile")
 
 
 def merge(base: dict, extra: dict) -> dict:

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 def project(tmp_path_factory) -> Path:
     """The default project at tiny params, extracted once (model, regenerate, prepare, extract)."""
     root = tmp_path_factory.mktemp("recovery")
-    for name in ("pipeline", "data"):
+    for name in ("pipeline", "data", "bin"):  # bin/python: what every dvc.yaml cmd runs
         shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
