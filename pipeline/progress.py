@@ -1,6 +1,6 @@
 """Progress that fits where it goes: a live bar on a terminal, a plain line every few percent or minute in a log.
 
-The pipeline's bars are `progress(...)` (tqdm's arguments; verify's two still call tqdm directly).
+The pipeline's bars are `progress(...)` (tqdm's arguments).
 On a terminal it is tqdm as is. When the bar's stream is not a terminal (a `make repro` log, CI,
 `dvc repro` piped), a redrawn bar is thousands of carriage-return updates in one line; there it
 writes whole lines instead: one when another `LOG_PERCENT` % is done, at least one every

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from pipeline import agreement
 from pipeline.params import VerifyParams
+from pipeline.progress import progress
 from pipeline.reference import References
 from pipeline.verify_report import Report
 
@@ -45,7 +45,7 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
     agree = agree_n = ref_hits = ref_n = cal_agree = 0
     columns = [str(j) for j in range(num_layers + 1)] + [f"norm({num_layers})"]
 
-    for sid in tqdm(chosen, desc="verify reference", unit="sample"):
+    for sid in progress(chosen, desc="verify reference", unit="sample"):
         path = sample_to_shard[sid]
         with safe_open(str(path), framework="pt", device="cpu") as f:
             hs = f.get_tensor(f"{sid}/hidden_states").to(reference.device).float()

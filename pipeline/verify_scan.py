@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from pipeline import shard_stats
+from pipeline.progress import progress
 from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
@@ -215,9 +215,9 @@ def default_workers() -> int:
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
     """Scan every shard (in parallel when workers > 1); results come back in `files` order."""
     if workers <= 1 or len(files) <= 1:
-        return [scan_shard(p, ctx) for p in tqdm(files, desc="verify shards", unit="shard")]
+        return [scan_shard(p, ctx) for p in progress(files, desc="verify shards", unit="shard")]
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        return list(tqdm(pool.map(lambda p: scan_shard(p, ctx), files), total=len(files), desc="verify shards", unit="shard"))
+        return list(progress(pool.map(lambda p: scan_shard(p, ctx), files), total=len(files), desc="verify shards", unit="shard"))
 
 
 def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
