@@ -17,7 +17,7 @@ the run-cache). What the stage has finished must outlive that deletion, yet noth
 know may stand at the output path when DVC checks a cached result out there (it would refuse to
 remove it "without a confirmation", and the user would be stuck). So the output is a plain
 directory while the stage writes it, and the launcher keeps a hard link to each of its files in
-`artifacts/.partial/<name>` (`OutputMirror`, at most a second behind). After a kill, even kill -9,
+`artifacts/.partial/<name>` (`OutputMirror`, at most a quarter second behind). After a kill, even kill -9,
 `dvc repro` deletes the output and either runs the stage (the links kept the work: the launcher
 puts it back, and the stage keeps its complete shards of the same run key) or checks the cached
 result out in its place; typed again, the command always recovers. Links that a complete output makes redundant are
@@ -291,7 +291,7 @@ class OutputMirror:
     Files still being written (`.tmp-` names, see pipeline/atomic.py) are left out; a file the
     stage replaced (a new inode) is linked again; one it deleted is dropped from `work`."""
 
-    def __init__(self, out: Path, work: Path, interval: float = 1.0) -> None:
+    def __init__(self, out: Path, work: Path, interval: float = 0.25) -> None:
         self.out, self.work, self.interval = out, work, interval
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name=f"mirror-{out.name}", daemon=True)

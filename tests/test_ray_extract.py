@@ -121,7 +121,7 @@ def replicas_computing(ray_tmp: str) -> list[int]:
 @contextlib.contextmanager
 def kill_a_computing_replica(hs: Path, after_a_new_shard: bool, timeout_s: float = 300) -> Iterator[list[int]]:
     """From outside the driver, as a crash or a lost node would: SIGKILL a replica process that has
-    been computing a shard for a second on end (with `after_a_new_shard`, once a shard of this run
+    been computing a shard for 0.2 s on end (with `after_a_new_shard`, once a shard of this run
     is complete: a manifest the output did not hold before). Yields the list the killed pid is put in."""
     ray_tmp = os.environ["RAY_TMPDIR"]  # the ray_cluster fixture's: its processes carry it
     before = {p.name for p in shards.complete_shards(hs)} if hs.is_dir() else set()
@@ -136,9 +136,10 @@ def kill_a_computing_replica(hs: Path, after_a_new_shard: bool, timeout_s: float
                 now = time.monotonic()
                 pids = replicas_computing(ray_tmp)
                 computing_since = {pid: computing_since.get(pid, now) for pid in pids}
-                # computing for a second on end: not a replica that just wrote a shard and is only
-                # returning (milliseconds), but one with a shard in flight (a shard takes seconds)
-                if victims := [pid for pid, t in computing_since.items() if now - t >= 1.0]:
+                # computing for 0.2 s on end: not a replica that just wrote a shard and is only
+                # returning (milliseconds), but one with a shard in flight (a shard of 8 samples takes
+                # longer even on free cores; a second, as before, outlasted whole shards there)
+                if victims := [pid for pid, t in computing_since.items() if now - t >= 0.2]:
                     os.kill(victims[0], signal.SIGKILL)
                     killed.append(victims[0])
                     return
