@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
+from pipeline import verify_sample_judge as J
 from pipeline import verify_samples as V
 from pipeline.params import VerifyParams
 from pipeline.shards import complete_shards, load_sample, read_manifest
@@ -36,12 +37,12 @@ def main(root: Path, stride: int) -> None:
     def scores(sid: int, h: torch.Tensor) -> torch.Tensor:
         bf16 = h.dtype == torch.bfloat16
         s = coherence.score(sid, h.view(torch.int16).numpy() if bf16 else h.numpy(), "BF16" if bf16 else "F32", samples[sid].input_ids)
-        return V.window_scores(s.shares, window).float()
+        return J.window_scores(s.shares, window).float()
 
     every = {sid: scores(sid, s.hidden_states) for sid, s in samples.items()}
-    pop_median, pop_sigma = V.robust(torch.cat(list(every.values())))
-    long = [w - w.median(0).values for w in every.values() if w.shape[0] >= V.WITHIN_MIN_WINDOWS * window]
-    within_median, within_sigma = V.robust(torch.cat(long))
+    pop_median, pop_sigma = J.robust(torch.cat(list(every.values())))
+    long = [w - w.median(0).values for w in every.values() if w.shape[0] >= J.WITHIN_MIN_WINDOWS * window]
+    within_median, within_sigma = J.robust(torch.cat(long))
     print(f"stride {stride}: clean max z population {((torch.cat(list(every.values())) - pop_median) / pop_sigma).max():.2f}, "
           f"within {((torch.cat(long) - within_median) / within_sigma).max():.2f}")
     victim = sorted(samples, key=lambda sid: samples[sid].input_ids.numel())[len(samples) // 2]

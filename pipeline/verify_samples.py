@@ -1,5 +1,5 @@
-"""Every sample judged on its own: per-token coherence of the captured layers with each other and
-with the token, tested in windows of consecutive positions against the whole run's population.
+"""Every sample scored on its own: per-token coherence of the captured layers with each other and
+with the token (the verdicts on these scores: verify_sample_judge.py).
 
 The residual stream ties a token's captured layers together and to its own embedding: layer j is
 largely a linear function of the other captured layers and of E[token]. A linear predictor per
@@ -21,11 +21,9 @@ request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: wh
 
 from __future__ import annotations
 
-import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import NormalDist
 
 import numpy as np
 import torch
@@ -33,22 +31,10 @@ import torch
 from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
 from pipeline.shards import read_header, read_manifest
-from pipeline.verify_report import Report
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
-WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
-# The within test's clean scores have heavier tails than the MAD's normal law (clean maxima 7.7-9.4 robust sigmas
-# on the tiny Llama where z* was 6.4; 17.1 on its INT4 extraction): per test, its threshold is the normal quantile
-# with the location and scale of the run's own within scores at these quantiles (a confined fault's few windows
-# barely move them), never below z*. An exponential tail through them would miss noise of relative RMS 1
-TAIL_QUANTILES = (0.8, 0.99)
-TAIL_MIN_SCORES = 300  # fewer within windows than this: too few for the fit; the threshold is this x z*
-WITHIN_Z_FACTOR = 2.0
-# an exchange fails only where swapping back explains this much better: two captured layers can be
-# nearly alike (tiny DeepSeek-V3 bf16, layers 4 and 5: a clean sample 1.01x "better" exchanged)
-EXCHANGE_MIN_GAIN = 1.5
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 
@@ -292,156 +278,3 @@ def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, emb
 
     coherence.fit(chunks())
     return coherence
-
-
-def window_scores(shares: torch.Tensor, window: int) -> torch.Tensor:
-    """[P, K] -> [max(P - window + 1, 1), K]: per run of `window` judged rows, the mean log residual
-    share without the window's largest (a confined fault raises every row of a run; one clean token
-    off, e.g. a rare MoE routing, raises one)."""
-    w = min(window, shares.shape[0])
-    logs = shares.double().clamp_min(1e-30).log().T.unfold(1, w, 1)  # [K, windows, w]
-    if w >= 3:
-        logs = logs.sort(-1).values[..., :-1]
-    return logs.mean(-1).T
-
-
-def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per column: median and 1.4826 x the median absolute deviation (a normal law's sigma)."""
-    median = x.median(0).values
-    return median, ((x - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
-
-
-def tail_threshold(z: torch.Tensor, tests: int, false_alarm: float) -> torch.Tensor:
-    """[N, K] scores -> [K]: per test, the z at which a normal upper tail with the location and scale of the
-    run's own quantiles q1, q2 of that test's scores (`TAIL_QUANTILES`) reaches false_alarm / tests
-    (Bonferroni): the normal law's z*, with the sigma the tail shows instead of the MAD's."""
-    q1, q2 = TAIL_QUANTILES
-    z1, z2 = torch.from_numpy(np.quantile(z.double().numpy(), [q1, q2], axis=0))
-    normal = NormalDist()
-    scale = (z2 - z1).clamp_min(1e-6) / (normal.inv_cdf(q2) - normal.inv_cdf(q1))
-    return z1 + scale * (-normal.inv_cdf(false_alarm / tests) - normal.inv_cdf(q1))
-
-
-def check_samples(report: Report, scores: list[tuple[str, SampleScores]], coherence: Coherence | None, params) -> None:
-    """Judge every sample's windows against the run's (population test: whole-sample faults) and,
-    in samples of at least WITHIN_MIN_WINDOWS windows, against the sample's own median (within test:
-    local faults, sharper since samples differ from each other); one failure per faulty sample, naming
-    the layer furthest off, the positions and the evidence; and each sample's exchange test."""
-    if coherence is None or coherence.weights is None or not scores:
-        return
-    L = len(coherence.layer_ids)
-    names = ([f"layer {lid} vs other positions" for lid in coherence.layer_ids] + [f"token (layer {coherence.layer_ids[0]} vs E[id])",
-             "all layers vs other positions"] + [f"layer {lid}" for lid in coherence.layer_ids] + ["all layers"])
-    window = max(1, params.sample_window // params.sample_stride)
-    per_sample = [(shard, s, window_scores(s.shares, window)) for shard, s in scores if s.shares.shape[0]]
-    if not per_sample:
-        return
-    pooled = torch.cat([w for _, _, w in per_sample])
-    median, sigma = robust(pooled)
-    local = [w - w.median(0).values for _, _, w in per_sample if w.shape[0] >= WITHIN_MIN_WINDOWS * window]
-    within_median, within_sigma = robust(torch.cat(local)) if local else (None, None)
-    # whole-sample test: each sample's mean log score over all its judged positions, against the other samples'
-    whole = torch.stack([s.shares.double().clamp_min(1e-30).log().mean(0) for _, s, _ in per_sample])
-    whole_median, whole_sigma = robust(whole) if len(per_sample) >= WHOLE_MIN_SAMPLES else (None, None)
-    tests = pooled.numel() + sum(w.numel() for w in local) + (whole.numel() if whole_median is not None else 0)
-    z_star = -NormalDist().inv_cdf(params.sample_false_alarm / tests)
-    within_z = torch.cat([(w - within_median) / within_sigma for w in local]) if local else None
-    if within_z is not None and within_z.shape[0] >= TAIL_MIN_SCORES:
-        within_threshold, within_rule = tail_threshold(within_z, tests, params.sample_false_alarm).clamp_min(z_star), "tail"
-    else:
-        within_threshold, within_rule = torch.full((2 * L + 3,), WITHIN_Z_FACTOR * z_star, dtype=torch.float64), "factor"
-    within_factor = within_threshold / z_star  # per test
-    pop_share = median.exp()
-    summary = report.summary["sample_tests"] = {
-        "tests": names,
-        "windows": int(pooled.shape[0]),
-        "window_positions": params.sample_window,
-        "stride": params.sample_stride,
-        "false_alarm_bound": params.sample_false_alarm,
-        "z_threshold": round(z_star, 3),
-        "population_median_share": [float(v) for v in pop_share],
-        "robust_sigma_log": [float(v) for v in sigma],
-        "within_robust_sigma_log": [float(v) for v in within_sigma] if local else None,
-        "within_z_threshold": [round(float(v), 3) for v in within_threshold],
-        "within_threshold_rule": within_rule,  # "tail": fitted to the run's within scores; "factor": WITHIN_Z_FACTOR z*
-        "within_z_quantiles": ({str(q): [round(float(v), 3) for v in row] for q, row in zip(
-            (*TAIL_QUANTILES, 0.999), np.quantile(within_z.numpy(), [*TAIL_QUANTILES, 0.999], axis=0),
-            strict=True)} if within_z is not None else None),
-        "fit_tokens": coherence.fit_tokens,
-        "fit_excluded_samples": coherence.refit_excluded,
-        "judged_positions": int(sum(s.positions.size for _, s in scores)),
-        "exchange_positions": EXCHANGE_POSITIONS,
-    }
-    max_z = torch.full((2 * L + 3,), -math.inf, dtype=torch.float64)
-    max_within = max_z.clone()
-    exchange_gain = -math.inf
-    max_whole = max_z.clone()
-    for k, (shard, s, w) in enumerate(per_sample):
-        z = (w - median) / sigma
-        max_z = torch.maximum(max_z, z.max(0).values)
-        kind = "the run's windows"
-        if whole_median is not None:
-            zs = (whole[k] - whole_median) / whole_sigma
-            max_whole = torch.maximum(max_whole, zs)
-            if zs.max() > z.max():  # the whole sample, as one window
-                z, w, kind = zs.expand_as(z).clone(), whole[k].expand_as(w).clone(), "the other samples (the whole sample's mean)"
-        if local and w.shape[0] >= WITHIN_MIN_WINDOWS * window:
-            zw = (w - w.median(0).values - within_median) / within_sigma
-            max_within = torch.maximum(max_within, zw.max(0).values)  # in robust sigmas (fails above within_threshold)
-            zw = zw / within_factor  # in units of the threshold z*, as the population test's
-            if zw.max() > z.max():
-                k_worst = int(zw.max(0).values.argmax())
-                z, kind = zw, (f"this sample's other windows, divided by {float(within_factor[k_worst]):.2f} for the "
-                               f"tail of the run's within-sample scores of this test (fails at "
-                               f"{float(within_threshold[k_worst]):.1f})")
-        if s.exchange is not None and s.exchange.numel():
-            exchange_gain = max(exchange_gain, float(s.exchange.max()))
-            fail_exchange(report, shard, s, coherence.layer_ids)
-        bad = z > z_star
-        if bad.any():
-            fail_windows(report, shard, s, w, z, bad, kind, names, coherence.layer_ids, median, window, z_star, params)
-    summary["max_z"] = [float(v) for v in max_z]
-    summary["max_within_z"] = [float(v) for v in max_within] if local else None
-    summary["max_whole_sample_z"] = [float(v) for v in max_whole] if whole_median is not None else None
-    summary["exchange_max_gain_log"] = exchange_gain
-
-
-def fail_exchange(report: Report, shard: str, s: SampleScores, layer_ids: list[int]) -> None:
-    i = int(s.exchange.argmax())
-    if float(s.exchange[i]) <= math.log(EXCHANGE_MIN_GAIN):
-        return
-    a, b = layer_ids[i], layer_ids[i + 1]
-    report.fail(
-        "samples",
-        f"layers {a} and {b} are exchanged: with the two swapped back the captured layers explain each other "
-        f"{math.exp(float(s.exchange[i])):.2f}x better (residual share, geometric mean over the first "
-        f"{min(s.positions.size, EXCHANGE_POSITIONS)} judged positions; fails above {EXCHANGE_MIN_GAIN}x)",
-        shard=shard, sample=s.sample, layer=a,
-    )
-
-
-def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, window, z_star, params) -> None:
-    L = len(layer_ids)
-    worst = int(z.max(0).values.argmax())
-    rows = bad.any(1).nonzero().squeeze(-1)
-    n = s.positions.size
-    first = int(s.positions[int(rows[0])])
-    last = int(s.positions[min(int(rows[-1]) + window - 1, n - 1)])
-    peak = int(z[:, worst].argmax())
-    # the layer named: the layer test furthest off where the worst test peaks (the token test: the first layer)
-    named = 0 if worst == L else worst - L - 2 if L + 2 <= worst < 2 * L + 2 else worst if worst < L else int(z[peak, :L].argmax())
-    value = math.exp(float(w[peak, worst]))
-    others = [names[k] for k in range(len(names)) if k != worst and bad[:, k].any()]
-    if worst == L:
-        what = "the captured states do not belong to this sample's tokens (shifted rows, or another request's)"
-    else:
-        what = (f"layer {layer_ids[named]}'s state is not explained by the other captured layers and the token's "
-                "embedding (zeroed, from another request or layer, shifted, or noisy rows)")
-    report.fail(
-        "samples",
-        f"positions {first}..{last} (every {params.sample_stride}th judged): {what}. Evidence ({names[worst]} test): "
-        f"residual share {value:.3g} of the state's energy over {min(window, n)} judged positions, against the run's "
-        f"median {float(median[worst].exp()):.3g}; z = {float(z[peak, worst]):.1f} robust sigmas from {kind} > {z_star:.1f} "
-        f"(false-alarm bound {params.sample_false_alarm:g} for the run)" + (f"; also off: {', '.join(others)}" if others else ""),
-        shard=shard, sample=s.sample, layer=layer_ids[named],
-    )

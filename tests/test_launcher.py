@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launcher, layout
-from pipeline.launcher import Host, input_mounts, launch_argv, resumable_outputs
+from pipeline import launcher, layout, output_guard
+from pipeline.launcher import Host, input_mounts, launch_argv
+from pipeline.output_guard import resumable_outputs
 from pipeline.params import DEFAULT_IMAGE, Params, load_params
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -174,7 +175,7 @@ def test_resumable_output_success_leaves_a_plain_directory(tmp_path, monkeypatch
         (OUT / "shard-00000.json").write_text("{}")
     assert OUT.is_dir() and not OUT.is_symlink()
     assert (OUT / "shard-00000.json").is_file()
-    assert not launcher.PARTIAL_DIR.exists()
+    assert not output_guard.PARTIAL_DIR.exists()
 
 
 def test_the_mirror_links_finished_files_and_follows_replacements(tmp_path):
@@ -182,7 +183,7 @@ def test_the_mirror_links_finished_files_and_follows_replacements(tmp_path):
     out.mkdir()
     (out / "a.json").write_text("1")
     (out / "b.json.tmp-x").write_text("half")  # an atomic write in progress: not work yet
-    mirror = launcher.OutputMirror(out, work, interval=0.05).start()
+    mirror = output_guard.OutputMirror(out, work, interval=0.05).start()
     try:
         assert sorted(p.name for p in work.iterdir()) == ["a.json"]
         assert (work / "a.json").stat().st_ino == (out / "a.json").stat().st_ino, "a hard link, not a copy"
@@ -205,13 +206,13 @@ def test_killed_run_resumes_from_its_work_after_dvc_deletes_the_output(tmp_path,
     with pytest.raises(KeyboardInterrupt), resumable_outputs([OUT]):
         (OUT / "shard-00000.json").write_text("{}")
         raise KeyboardInterrupt  # or kill -9: the links in .partial stay either way
-    assert (launcher.partial_path(OUT) / "shard-00000.json").is_file()
+    assert (output_guard.partial_path(OUT) / "shard-00000.json").is_file()
     shutil.rmtree(OUT)  # what `dvc repro` does to a non-persist output before it runs the stage
     with resumable_outputs([OUT]):
         assert (OUT / "shard-00000.json").is_file(), "the next run sees the finished shard"
         (OUT / "shard-00001.json").write_text("{}")
     assert sorted(p.name for p in OUT.iterdir()) == ["shard-00000.json", "shard-00001.json"]
-    assert not launcher.PARTIAL_DIR.exists()
+    assert not output_guard.PARTIAL_DIR.exists()
 
 
 def test_direct_rerun_starts_from_the_existing_output(tmp_path, monkeypatch):
@@ -220,8 +221,8 @@ def test_direct_rerun_starts_from_the_existing_output(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     OUT.mkdir(parents=True)
     (OUT / "extract_meta.json").write_text("{}")
-    launcher.partial_path(OUT).mkdir(parents=True)
-    (launcher.partial_path(OUT) / "stale").write_text("")
+    output_guard.partial_path(OUT).mkdir(parents=True)
+    (output_guard.partial_path(OUT) / "stale").write_text("")
     with resumable_outputs([OUT]):
         assert sorted(p.name for p in OUT.iterdir()) == ["extract_meta.json"]
     assert (OUT / "extract_meta.json").is_file() and not OUT.is_symlink()
@@ -231,7 +232,7 @@ def test_a_failed_run_that_wrote_nothing_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(RuntimeError), resumable_outputs([OUT]):
         raise RuntimeError("engine did not start")
-    assert not OUT.exists() and not launcher.PARTIAL_DIR.exists()
+    assert not OUT.exists() and not output_guard.PARTIAL_DIR.exists()
 
 
 def test_a_foreign_symlink_is_not_taken_for_work(tmp_path, monkeypatch):
@@ -248,28 +249,28 @@ def test_a_foreign_symlink_is_not_taken_for_work(tmp_path, monkeypatch):
 
 def test_the_link_an_older_launcher_left_is_taken_back(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    work = launcher.partial_path(OUT)
+    work = output_guard.partial_path(OUT)
     work.mkdir(parents=True)
     (work / "shard-00000.json").write_text("{}")
     os.symlink(os.path.relpath(work, OUT.parent), OUT)
     with resumable_outputs([OUT]):
         assert not OUT.is_symlink() and (OUT / "shard-00000.json").is_file()
-    assert not launcher.PARTIAL_DIR.exists()
+    assert not output_guard.PARTIAL_DIR.exists()
 
 
 def test_prune_drops_only_links_a_restored_output_made_redundant(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    work = launcher.partial_path(OUT)
+    work = output_guard.partial_path(OUT)
     with pytest.raises(KeyboardInterrupt), resumable_outputs([OUT]):
         (OUT / "shard-00000.json").write_text("{}")
         raise KeyboardInterrupt
-    launcher.prune_partials([OUT])
+    output_guard.prune_partials([OUT])
     assert (work / "shard-00000.json").is_file(), "a killed run's work that dvc repro may yet delete stays"
     shutil.rmtree(OUT)  # `dvc repro` restores the cached result: new files at the output path
     OUT.mkdir()
     (OUT / "shard-00000.json").write_text("{}")
-    launcher.prune_partials([OUT])
-    assert not launcher.PARTIAL_DIR.exists()
+    output_guard.prune_partials([OUT])
+    assert not output_guard.PARTIAL_DIR.exists()
 
 
 # --- dvc.yaml, Dockerfile, Makefile ---------------------------------------------------------
