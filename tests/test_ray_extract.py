@@ -33,6 +33,9 @@ from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
 
 pytestmark = pytest.mark.slow
 RAY_PARAMS = {**EXTRACT_PARAMS, "engine": "ray", "replicas": 2}
+# the kill test's engine: one request and 32 tokens a step (tuning, no byte changes between its own
+# runs), so a shard lasts long enough on free cores for a replica to be caught computing one
+SLOW_PARAMS = {**EXTRACT_PARAMS, "max_num_seqs": 1, "max_num_batched_tokens": 32}
 
 
 def _processes_with(text: str) -> list[str]:
@@ -157,6 +160,10 @@ def kill_a_computing_replica(hs: Path, after_a_new_shard: bool, timeout_s: float
 def test_killed_replica_retries_run_out_then_resume_completes(
     extracted: Path, project_root: Path, tmp_path: Path, ray_cluster
 ):
+    local = fresh_project(project_root, tmp_path / "local")  # what the same engine settings write locally
+    run_stage(local, "extract", **SLOW_PARAMS)
+    extracted = local / layout.HIDDEN_STATES_DIR  # (the shared extraction's fixture built the inputs)
+    slow_ray = {**SLOW_PARAMS, "engine": "ray", "replicas": 2}
     proj = fresh_project(project_root, tmp_path / "p")
     hs = proj / layout.HIDDEN_STATES_DIR
 
@@ -164,7 +171,7 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     # shards on 2 replicas one is still to do then); the run stops with a report; the complete
     # shards stay on disk
     with pytest.raises(PipelineError) as err, kill_a_computing_replica(hs, after_a_new_shard=True) as killed:
-        run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=0)
+        run_stage(proj, "extract", **slow_ray, ray_address=ray_cluster, max_retries=0)
     assert killed, "no replica was computing a shard after the first one was done"
     msg = str(err.value)
     assert "more than extract.max_retries (0)" in msg and "Lost replicas" in msg and "re-run extract" in msg, msg
@@ -182,7 +189,7 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     # flight, the shard is re-run on the other one; every sample lands exactly once, same bytes as local.
     # (Not waiting for a new shard here: with 2 shards on 2 replicas both may finish together.)
     with kill_a_computing_replica(hs, after_a_new_shard=False) as killed:
-        run_stage(proj, "extract", **RAY_PARAMS, ray_address=ray_cluster, max_retries=1)
+        run_stage(proj, "extract", **slow_ray, ray_address=ray_cluster, max_retries=1)
     assert killed
     m = metrics(proj)
     assert (m["shards_resumed"], m["shards_written"]) == (1, 2)
