@@ -118,7 +118,16 @@ def replicas_computing(ray_tmp: str) -> list[int]:
             continue
         if title.startswith(b"ray::ShardReplica.extract") and f"RAY_TMPDIR={ray_tmp}\0".encode() in env:
             pids.append(int(proc.name))
-    return pids
+    # a process the replica forked (vLLM's engine core) inherits its title: the replica is the one
+    # whose parent is not among them
+    return [pid for pid in pids if _parent(pid) not in pids]
+
+
+def _parent(pid: int) -> int | None:
+    try:
+        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 @contextlib.contextmanager
