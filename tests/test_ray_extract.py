@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -104,58 +105,52 @@ def test_same_shards_as_local_run_and_verify_passes(extracted: Path, project_roo
     assert json.loads((proj / layout.VERIFY_VERDICT).read_text())["passed"] is True
 
 
-def replicas_computing(ray_tmp: str) -> list[int]:
-    """Pids of this cluster's replica processes running a shard call now: Ray titles a worker
-    `ray::ShardReplica.extract` while it runs that method (ps shows it), `ray::ShardReplica` idle."""
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+def replica_requests(ray_tmp: str) -> dict[int, set[int]]:
+    """Live replica pid -> the sample ids vLLM has scheduled on it. Each replica keeps vLLM's
+    per-request files in its own scratch dir, `$TMPDIR/eagle3-extract-scratch/<its pid>`, and vLLM
+    creates `<request id>.safetensors.lock` there when it schedules a request (ids `s<sample id>`,
+    perhaps with a suffix vLLM adds). Dirs of replicas that are gone are left out."""
+    root = Path(ray_tmp) / "eagle3-extract-scratch"
+    out: dict[int, set[int]] = {}
+    for d in root.iterdir() if root.is_dir() else []:
+        if not d.name.isdigit() or not Path(f"/proc/{d.name}").exists():
             continue
         try:
-            title = (proc / "cmdline").read_bytes()
-            env = (proc / "environ").read_bytes()
-        except OSError:  # gone meanwhile, or not ours
+            names = os.listdir(d)
+        except OSError:  # removed meanwhile
             continue
-        if title.startswith(b"ray::ShardReplica.extract") and f"RAY_TMPDIR={ray_tmp}\0".encode() in env:
-            pids.append(int(proc.name))
-    # a process the replica forked (vLLM's engine core) inherits its title: the replica is the one
-    # whose parent is not among them
-    return [pid for pid in pids if _parent(pid) not in pids]
-
-
-def _parent(pid: int) -> int | None:
-    try:
-        return int((Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+        out[int(d.name)] = {int(m.group(1)) for n in names if (m := re.match(r"s(\d+)\b", n))}
+    return out
 
 
 @contextlib.contextmanager
-def kill_a_computing_replica(hs: Path, after_a_new_shard: bool, timeout_s: float = 300) -> Iterator[list[int]]:
-    """From outside the driver, as a crash or a lost node would: SIGKILL a replica process that has
-    been computing a shard for 0.2 s on end (with `after_a_new_shard`, once a shard of this run
-    is complete: a manifest the output did not hold before). Yields the list the killed pid is put in."""
-    ray_tmp = os.environ["RAY_TMPDIR"]  # the ray_cluster fixture's: its processes carry it
+def kill_a_replica_mid_shard(
+    hs: Path, shard_samples: dict[str, list[int]], after_a_new_shard: bool, timeout_s: float = 300
+) -> Iterator[list[int]]:
+    """From outside the driver, as a crash or a lost node would: SIGKILL a replica that has just
+    started a shard, i.e. vLLM has scheduled on it one of the first half of the samples of a shard
+    that is not complete (`shard_samples`: shard file name -> its sample ids). With one request at
+    a time the rest of that shard is still to compute, so the kill lands with the shard in flight
+    however fast or loaded the machine is. With `after_a_new_shard`, only once a shard of this run
+    is complete (a manifest the output did not hold before). Yields the list the killed pid is put in."""
+    ray_tmp = os.environ["RAY_TMPDIR"]  # the ray_cluster fixture's; TMPDIR, where replicas keep scratch, too
     before = {p.name for p in shards.complete_shards(hs)} if hs.is_dir() else set()
     killed: list[int] = []
     stop = threading.Event()
 
     def watch() -> None:
         deadline = time.monotonic() + timeout_s
-        computing_since: dict[int, float] = {}  # pid -> when it was first seen computing, without a break
         while not stop.is_set() and time.monotonic() < deadline:
-            if not after_a_new_shard or (hs.is_dir() and {p.name for p in shards.complete_shards(hs)} - before):
-                now = time.monotonic()
-                pids = replicas_computing(ray_tmp)
-                computing_since = {pid: computing_since.get(pid, now) for pid in pids}
-                # computing for 0.2 s on end: not a replica that just wrote a shard and is only
-                # returning (milliseconds), but one with a shard in flight (a shard of 8 samples takes
-                # longer even on free cores; a second, as before, outlasted whole shards there)
-                if victims := [pid for pid, t in computing_since.items() if now - t >= 0.2]:
-                    os.kill(victims[0], signal.SIGKILL)
-                    killed.append(victims[0])
-                    return
-            stop.wait(0.05)  # a poll interval
+            complete = {p.name for p in shards.complete_shards(hs)} if hs.is_dir() else set()
+            if not after_a_new_shard or complete - before:
+                starting = {sid for name, sids in shard_samples.items() if name not in complete
+                            for sid in sids[: max(1, len(sids) // 2)]}
+                for pid, sids in replica_requests(ray_tmp).items():
+                    if sids & starting:
+                        os.kill(pid, signal.SIGKILL)
+                        killed.append(pid)
+                        return
+            stop.wait(0.02)  # a poll interval; a shard's first half lasts seconds on one request a time
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -175,11 +170,12 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     slow_ray = {**SLOW_PARAMS, "engine": "ray", "replicas": 2}
     proj = fresh_project(project_root, tmp_path / "p")
     hs = proj / layout.HIDDEN_STATES_DIR
+    samples_of = {p.name: shards.read_manifest(p)["sample_ids"] for p in shards.complete_shards(extracted)}
 
     # no retries allowed: once the first shard is done a replica computing another is killed (of 3
     # shards on 2 replicas one is still to do then); the run stops with a report; the complete
     # shards stay on disk
-    with pytest.raises(PipelineError) as err, kill_a_computing_replica(hs, after_a_new_shard=True) as killed:
+    with pytest.raises(PipelineError) as err, kill_a_replica_mid_shard(hs, samples_of, after_a_new_shard=True) as killed:
         run_stage(proj, "extract", **slow_ray, ray_address=ray_cluster, max_retries=0)
     assert killed, "no replica was computing a shard after the first one was done"
     msg = str(err.value)
@@ -197,7 +193,7 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     # re-run with a retry: the complete shard is kept, a replica is killed again with a shard in
     # flight, the shard is re-run on the other one; every sample lands exactly once, same bytes as local.
     # (Not waiting for a new shard here: with 2 shards on 2 replicas both may finish together.)
-    with kill_a_computing_replica(hs, after_a_new_shard=False) as killed:
+    with kill_a_replica_mid_shard(hs, samples_of, after_a_new_shard=False) as killed:
         run_stage(proj, "extract", **slow_ray, ray_address=ray_cluster, max_retries=1)
     assert killed
     m = metrics(proj)
