@@ -172,12 +172,12 @@ def test_killed_replica_retries_run_out_then_resume_completes(
     hs = proj / layout.HIDDEN_STATES_DIR
     samples_of = {p.name: shards.read_manifest(p)["sample_ids"] for p in shards.complete_shards(extracted)}
 
-    # no retries allowed: once the first shard is done a replica computing another is killed (of 3
+    # no retries allowed: once the first shard is done a replica starting another is killed (of 3
     # shards on 2 replicas one is still to do then); the run stops with a report; the complete
     # shards stay on disk
     with pytest.raises(PipelineError) as err, kill_a_replica_mid_shard(hs, samples_of, after_a_new_shard=True) as killed:
         run_stage(proj, "extract", **slow_ray, ray_address=ray_cluster, max_retries=0)
-    assert killed, "no replica was computing a shard after the first one was done"
+    assert killed, "no replica started a shard after the first one was done"
     msg = str(err.value)
     assert "more than extract.max_retries (0)" in msg and "Lost replicas" in msg and "re-run extract" in msg, msg
     kept = shard_files(hs)
