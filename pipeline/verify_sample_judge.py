@@ -18,12 +18,14 @@ from pipeline.verify_report import Report
 from pipeline.verify_samples import EXCHANGE_POSITIONS, WHOLE_MIN_SAMPLES, Coherence, SampleScores
 
 WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
-# The within test's clean scores have heavier tails than the MAD's normal law (clean maxima 7.7-9.4 robust sigmas
-# on the tiny Llama where z* was 6.4; 17.1 on its INT4 extraction): per test, its threshold is the normal quantile
-# with the location and scale of the run's own within scores at these quantiles (a confined fault's few windows
-# barely move them), never below z*. An exponential tail through them would miss noise of relative RMS 1
+# Clean scores have heavier tails than the MAD's normal law: within-sample maxima 7.7-9.4 robust sigmas on the
+# tiny Llama where z* was 6.4, 17.1 on its INT4 extraction; against the run's windows 7.0 > z* = 6.88 on the
+# 540 samples of `make repro` (a clean sample: its states equal a transformers forward to 1e-6). Per test and
+# per kind (run's windows, within-sample, whole samples), the threshold is the normal quantile with the location
+# and scale of the run's own scores at these quantiles (a confined fault's few windows barely move them), never
+# below z*. An exponential tail through them would miss noise of relative RMS 1
 TAIL_QUANTILES = (0.8, 0.99)
-TAIL_MIN_SCORES = 300  # fewer within windows than this: too few for the fit; the threshold is this x z*
+TAIL_MIN_SCORES = 300  # fewer scores than this: too few for the fit; z* (within-sample: WITHIN_Z_FACTOR x z*)
 WITHIN_Z_FACTOR = 2.0
 # an exchange fails only where swapping back explains this much better: two captured layers can be
 # nearly alike (tiny DeepSeek-V3 bf16, layers 4 and 5: a clean sample 1.01x "better" exchanged)
@@ -56,6 +58,31 @@ def tail_threshold(z: torch.Tensor, tests: int, false_alarm: float) -> torch.Ten
     return z1 + scale * (-normal.inv_cdf(false_alarm / tests) - normal.inv_cdf(q1))
 
 
+def calibrated(z: torch.Tensor, sample_of: torch.Tensor, tests: int, false_alarm: float, z_star: float) -> tuple[torch.Tensor, str]:
+    """[N, K] scores (row i of sample `sample_of[i]`) -> per-test thresholds, never below z*, and the rule that set
+    them. Per test, the tail is fitted without the samples that have a score above z* in it: a faulty sample's
+    windows can be more than the top 1 % of a small run's (48 shifted positions of one of 20 samples: 1.8 %)
+    and would lift the threshold over its own scores; a clean run loses one sample or a few."""
+    out = torch.full((z.shape[1],), z_star, dtype=torch.float64)
+    fitted = False
+    for k in range(z.shape[1]):
+        over = torch.unique(sample_of[z[:, k] > z_star])
+        clean = z[~torch.isin(sample_of, over), k : k + 1]
+        if clean.shape[0] >= TAIL_MIN_SCORES:
+            out[k] = max(float(tail_threshold(clean, tests, false_alarm)[0]), z_star)
+            fitted = True
+    return out, "tail" if fitted else "normal"
+
+
+def tail_kind(against: str, rule: str, factor: torch.Tensor, threshold: torch.Tensor, z: torch.Tensor) -> str:
+    """What a z was measured against, for the report; says so where it was divided for the run's tail."""
+    k = int(z.max(0).values.argmax())
+    if rule != "tail" or float(factor[k]) == 1.0:
+        return against
+    return (f"{against}, divided by {float(factor[k]):.2f} for the tail of the run's scores of this test (fails at "
+            f"{float(threshold[k]):.1f} robust sigmas)")
+
+
 def check_samples(report: Report, scores: list[tuple[str, SampleScores]], coherence: Coherence | None, params) -> None:
     """Judge every sample's windows against the run's (population test: whole-sample faults) and,
     in samples of at least WITHIN_MIN_WINDOWS windows, against the sample's own median (within test:
@@ -85,6 +112,11 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     else:
         within_threshold, within_rule = torch.full((2 * L + 3,), WITHIN_Z_FACTOR * z_star, dtype=torch.float64), "factor"
     within_factor = within_threshold / z_star  # per test
+    window_sample = torch.cat([torch.full((w.shape[0],), i) for i, (_, _, w) in enumerate(per_sample)])
+    pop_threshold, pop_rule = calibrated((pooled - median) / sigma, window_sample, tests, params.sample_false_alarm, z_star)
+    pop_factor = pop_threshold / z_star
+    whole_threshold, whole_rule = (calibrated((whole - whole_median) / whole_sigma, torch.arange(len(per_sample)), tests,
+                                              params.sample_false_alarm, z_star) if whole_median is not None else (None, None))
     pop_share = median.exp()
     summary = report.summary["sample_tests"] = {
         "tests": names,
@@ -93,6 +125,10 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         "stride": params.sample_stride,
         "false_alarm_bound": params.sample_false_alarm,
         "z_threshold": round(z_star, 3),
+        "population_z_threshold": [round(float(v), 3) for v in pop_threshold],
+        "population_threshold_rule": pop_rule,  # "tail": fitted to the run's window scores; "normal": z*
+        "whole_sample_z_threshold": [round(float(v), 3) for v in whole_threshold] if whole_threshold is not None else None,
+        "whole_sample_threshold_rule": whole_rule,
         "population_median_share": [float(v) for v in pop_share],
         "robust_sigma_log": [float(v) for v in sigma],
         "within_robust_sigma_log": [float(v) for v in within_sigma] if local else None,
@@ -113,12 +149,16 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     for k, (shard, s, w) in enumerate(per_sample):
         z = (w - median) / sigma
         max_z = torch.maximum(max_z, z.max(0).values)
-        kind = "the run's windows"
+        z = z / pop_factor  # in units of the threshold z*, as every test's here
+        kind = tail_kind("the run's windows", pop_rule, pop_factor, pop_threshold, z)
         if whole_median is not None:
             zs = (whole[k] - whole_median) / whole_sigma
             max_whole = torch.maximum(max_whole, zs)
+            zs = zs / (whole_threshold / z_star)
             if zs.max() > z.max():  # the whole sample, as one window
-                z, w, kind = zs.expand_as(z).clone(), whole[k].expand_as(w).clone(), "the other samples (the whole sample's mean)"
+                z, w = zs.expand_as(z).clone(), whole[k].expand_as(w).clone()
+                kind = tail_kind("the other samples (the whole sample's mean)", whole_rule, whole_threshold / z_star,
+                                 whole_threshold, z)
         if local and w.shape[0] >= WITHIN_MIN_WINDOWS * window:
             zw = (w - w.median(0).values - within_median) / within_sigma
             max_within = torch.maximum(max_within, zw.max(0).values)  # in robust sigmas (fails above within_threshold)
