@@ -195,12 +195,13 @@ def render_sample_tests(t: dict | None) -> list[str]:
         "score of a position is the *residual share*: the part of the state's energy the prediction leaves unexplained. "
         f"A window is {t['window_positions']} consecutive positions ({max(1, t['window_positions'] // t['stride'])} judged, every "
         f"{t['stride']}th); its score is the mean log residual share of its judged positions (the largest left out), compared with all {t['windows']} windows of the run "
-        f"(median and a robust sigma, 1.4826 x the median absolute deviation). A window fails above z = {t['z_threshold']}, "
+        f"(median and a robust sigma, 1.4826 x the median absolute deviation). z* = {t['z_threshold']} is "
         f"the normal quantile that holds the whole run's false-alarm probability to {t['false_alarm_bound']:g} over every "
-        "window of every test (Bonferroni); a window against its own sample's median (samples long enough) fails above "
-        "its test's threshold in the last column: its clean tails are heavier than the robust sigma's normal law, so the "
-        "threshold is the same normal quantile with the location and scale of this run's own within-sample scores of that "
-        "test at their 80th and 99th percentiles, never below the normal one. Separately, each sample's adjacent captured layers are tried exchanged: a sample "
+        "window of every test (Bonferroni). Clean scores have heavier tails than the robust sigma's normal law, so each "
+        "test's threshold (against the run's windows, and against the window's own sample's median in samples long "
+        "enough: the last column) is that normal quantile with the location and scale of this run's own scores of that "
+        "test at their 80th and 99th percentiles (fitted without the samples above z* in it), never below z*; each "
+        "sample's mean over all its positions is judged against the other samples' the same way. Separately, each sample's adjacent captured layers are tried exchanged: a sample "
         "that fits 1.5x better with two layers swapped has them swapped.",
         "",
         "| test | run's median residual share | robust sigma (log) | highest window z of the run | threshold z | highest within-sample z | threshold |",
@@ -208,9 +209,10 @@ def render_sample_tests(t: dict | None) -> list[str]:
     ]
     within = t.get("max_within_z") or [float("nan")] * len(t["tests"])
     within_at = t.get("within_z_threshold") or [float("nan")] * len(t["tests"])
-    for name, med, sig, mz, wz, wt in zip(t["tests"], t["population_median_share"], t["robust_sigma_log"], t["max_z"], within,
-                                          within_at, strict=True):
-        out.append(f"| {name} | {med:.3g} | {sig:.3g} | {mz:.1f} | {t['z_threshold']} | {wz:.1f} | {wt:.1f} |")
+    pop_at = t.get("population_z_threshold") or [t["z_threshold"]] * len(t["tests"])
+    for name, med, sig, mz, pt, wz, wt in zip(t["tests"], t["population_median_share"], t["robust_sigma_log"], t["max_z"],
+                                              pop_at, within, within_at, strict=True):
+        out.append(f"| {name} | {med:.3g} | {sig:.3g} | {mz:.1f} | {pt:.1f} | {wz:.1f} | {wt:.1f} |")
     out += ["", f"Predictors fitted on {t['fit_tokens']} token rows. Exchange test: the best gain of any sample from an "
             f"exchange is {t.get('exchange_max_gain_log', float('nan')):.3g} (log; > 0 fails).", ""]
     return out
