@@ -117,6 +117,7 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     pop_factor = pop_threshold / z_star
     whole_threshold, whole_rule = (calibrated((whole - whole_median) / whole_sigma, torch.arange(len(per_sample)), tests,
                                               params.sample_false_alarm, z_star) if whole_median is not None else (None, None))
+    whole_factor = whole_threshold / z_star if whole_threshold is not None else None
     pop_share = median.exp()
     summary = report.summary["sample_tests"] = {
         "tests": names,
@@ -154,11 +155,10 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         if whole_median is not None:
             zs = (whole[k] - whole_median) / whole_sigma
             max_whole = torch.maximum(max_whole, zs)
-            zs = zs / (whole_threshold / z_star)
+            zs = zs / whole_factor
             if zs.max() > z.max():  # the whole sample, as one window
                 z, w = zs.expand_as(z).clone(), whole[k].expand_as(w).clone()
-                kind = tail_kind("the other samples (the whole sample's mean)", whole_rule, whole_threshold / z_star,
-                                 whole_threshold, z)
+                kind = tail_kind("the other samples (the whole sample's mean)", whole_rule, whole_factor, whole_threshold, z)
         if local and w.shape[0] >= WITHIN_MIN_WINDOWS * window:
             zw = (w - w.median(0).values - within_median) / within_sigma
             max_within = torch.maximum(max_within, zw.max(0).values)  # in robust sigmas (fails above within_threshold)
