@@ -35,6 +35,7 @@ from pipeline.shards import read_header, read_manifest
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
+BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 
@@ -189,55 +190,99 @@ class Coherence:
         share = (target - pred).pow(2).sum(-1) / energy.clamp_min(1e-30)
         return torch.where(energy > 0, share, torch.full_like(share, ZERO_ROW_SHARE))
 
-    @torch.inference_mode()
     def score(self, sid: int, hidden: np.ndarray, dtype: str, ids: torch.Tensor) -> SampleScores:
+        """One sample's scores (as `score_samples` gives them)."""
+        return self.score_samples([(sid, hidden, dtype, ids)])[0]
+
+    @torch.inference_mode()
+    def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]]) -> list[SampleScores]:
+        """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
+        shard's samples are scored together: one batch of judged rows per fold and dtype (up to BATCH_ROWS),
+        so a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
+        L = len(self.layer_ids)
+        scored: dict[int, SampleScores] = {}
+        groups: dict[tuple[int, str], list] = {}
+        for sid, hidden, dtype, ids in samples:
+            positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
+            if len(positions) < 2:  # no other judged position to contrast with
+                scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, 2 * L + 3))
+            else:
+                groups.setdefault((self.fold(sid), dtype), []).append((sid, hidden, ids, positions))
+        for (fold, dtype), group in groups.items():
+            batch, rows = [], 0
+            for item in group:
+                batch.append(item)
+                rows += len(item[3])
+                if rows >= BATCH_ROWS:
+                    scored.update(self._score_batch(fold, dtype, batch))
+                    batch, rows = [], 0
+            if batch:
+                scored.update(self._score_batch(fold, dtype, batch))
+        return [scored[sid] for sid, *_ in samples]
+
+    def _score_batch(self, fold: int, dtype: str, batch: list) -> dict[int, SampleScores]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
-        layers of the *next* judged position, the first layer from the embedding of the previous
-        or next token. Clean, the true inputs explain far better (ratio ~0.1); a state that is
-        not this token's at this position (zeroed, shifted, another request's or layer's, noise)
+        layers of the *next* judged position of the same sample, the first layer from the embedding of
+        the previous or next token. Clean, the true inputs explain far better (ratio ~0.1); a state that
+        is not this token's at this position (zeroed, shifted, another request's or layer's, noise)
         is explained no better by its own inputs than by wrong ones (ratio -> 1). The ratio
         cancels how predictable a token is, which the share alone varies with."""
-        positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
         L, H = len(self.layer_ids), self.embedding.shape[1]
-        if len(positions) < 2:  # no other judged position to contrast with
-            return SampleScores(sid, positions[:0], torch.zeros(0, 2 * L + 3))
-        pos = torch.from_numpy(positions)
-        h, x = self.inputs(hidden[positions], dtype, ids[pos])
-        weights, differences = self._compute_weights(self.fold(sid))
-        P, k = h.shape[0], min(h.shape[0], EXCHANGE_POSITIONS)
+        lengths = np.array([len(positions) for *_, positions in batch])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        n = int(lengths.sum())
+        # the next judged position of the same sample (the last one's: the sample's first)
+        following = np.arange(1, n + 1)
+        following[starts + lengths - 1] = starts
+        tokens_at, before, after = [], [], []
+        for _, _, ids, positions in batch:
+            pos = torch.from_numpy(positions)
+            tokens_at.append(ids[pos])
+            before.append(ids[pos - 1])
+            after.append(ids[(pos + 1).clamp_max(len(ids) - 1)])
+        rows = np.concatenate([hidden[positions] for _, hidden, _, positions in batch])
+        h, x = self.inputs(rows, dtype, torch.cat(tokens_at))
+        weights, differences = self._compute_weights(fold)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
-        # next judged position) reuse the first product rolled by a row, the exchange rows correct it with
+        # next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
         from_layers = self._predict(h.flatten(1), weights[: L * H])
         from_token = self._predict(x[:, L * H :], weights[L * H :])
         pred = from_layers + from_token
         share = self._shares(h, pred)
-        contrast = self._shares(h, from_layers.roll(-1, 0) + from_token)[:, :L]
+        contrast = self._shares(h, from_layers[torch.from_numpy(following).to(self.device)] + from_token)[:, :L]
         token_weights, first = weights[L * H :, L * H :], h[:, 0]  # the first layer from [E, 1] alone
-        neighbours = torch.cat([pos - 1, (pos + 1).clamp_max(len(ids) - 1)])
-        e = torch.cat([self.embedding[ids[neighbours].to(self.device)].float(), x[:, -1:].repeat(2, 1)], 1)
-        tokens = (first.repeat(2, 1) - self._predict(e, token_weights)).pow(2).sum(-1).reshape(2, P)
+        neighbours = torch.cat(before + after).to(self.device)
+        e = torch.cat([self.embedding[neighbours].float(), x[:, -1:].repeat(2, 1)], 1)
+        tokens = (first.repeat(2, 1) - self._predict(e, token_weights)).pow(2).sum(-1).reshape(2, n)
         tokens = tokens.min(0).values / first.pow(2).sum(-1).clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
         raw = share[:, :L]
         geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
         tests = torch.cat([ratio, geometric[0], raw, geometric[1]], 1)
-        exchange = torch.zeros(0, device=self.device)
-        if L > 1:
-            given = share[:k, :L].sum(1).clamp_min(1e-30).log()
-            hk = h[:k].transpose(0, 1)  # [L, k, H]
-            swapped_pred = pred[None, :k] + torch.bmm((hk[1:] - hk[:-1]).to(weights.dtype), differences).float()
-            swapped_pred = swapped_pred.reshape(L - 1, k, L + 1, H)[:, :, :L]
-            hx = h[:k].expand(L - 1, -1, -1, -1).clone()  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
+        exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
+        if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
+            kept = np.minimum(lengths, EXCHANGE_POSITIONS)
+            tried = torch.from_numpy(np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)])).to(self.device)
+            of_sample = torch.from_numpy(np.repeat(np.arange(len(batch)), kept)).to(self.device)
+            given = share[tried, :L].sum(1).clamp_min(1e-30).log()
+            ht = h[tried]
+            hk = ht.transpose(0, 1)  # [L, k, H]
+            swapped_pred = pred[tried][None] + torch.bmm((hk[1:] - hk[:-1]).to(weights.dtype), differences).float()
+            swapped_pred = swapped_pred.reshape(L - 1, -1, L + 1, H)[:, :, :L]
+            hx = ht.expand(L - 1, -1, -1, -1).clone()  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             for i in range(L - 1):
                 hx[i, :, [i, i + 1]] = hx[i, :, [i + 1, i]]
             swapped = ((hx - swapped_pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(-1)
-            exchange = (given - swapped.clamp_min(1e-30).log()).mean(-1)
-        # one host copy for the sample (tests and exchange together)
-        out = torch.cat([tests.flatten(), exchange.to(tests.dtype)]).cpu()
-        return SampleScores(sid, positions, out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double())
+            gain = (given - swapped.clamp_min(1e-30).log()).T  # [k, L - 1]
+            exchange = exchange.index_add_(0, of_sample, gain) / torch.from_numpy(kept).to(self.device)[:, None]
+        # one host copy for the batch (tests and exchange together)
+        out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
+        tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
+        return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
+                for i, ((sid, _, _, positions), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
 
 
 def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:

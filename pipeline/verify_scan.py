@@ -281,6 +281,7 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
     in_shard: set[int] = set()
+    to_score: list = []  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
     loop_started = time.perf_counter()
     for sid in sample_ids:
         if sid in in_shard:
@@ -326,14 +327,16 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
         sums[:, 3] += T * H
         scan.tokens += T
         if ctx.coherence is not None:
-            t = time.perf_counter()
-            scan.sample_scores.append(ctx.coherence.score(sid, hs, shard.header[name]["dtype"], ids))
-            scan.timed("sample_coherence", t)
+            to_score.append((sid, hs, shard.header[name]["dtype"], ids))
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         if positions.numel():
             masked.append((name, positions, ids))
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
+    if to_score:  # the shard's samples in one batch
+        t = time.perf_counter()
+        scan.sample_scores.extend(ctx.coherence.score_samples(to_score))
+        scan.timed("sample_coherence", t)
     scan.masked_positions = sum(p.numel() for _, p, _ in masked)
     chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
     if chosen:  # one lm_head pass for the shard
