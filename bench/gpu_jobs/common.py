@@ -102,6 +102,8 @@ WORKLOADS = {
     "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
     "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
     "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
+    # "dvc" (issue 20, bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
+    "dvc": {"model": "dense", "len_a": 512, "n_a": 1536, "len_b": 0, "n_b": 0, "samples_per_shard": 16},
 }
 
 
@@ -109,6 +111,7 @@ SMOKE_WORKLOADS = {
     "dense": {"len_a": 32, "n_a": 40, "len_b": 128, "n_b": 12, "samples_per_shard": 4},
     "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
     "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
+    "dvc": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
 }
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from gpu_jobs.common import CLI, DENSE, MOE, REPO, RUNS, SMOKE_DENSE, SMOKE_MOE, SMOKE_WORKLOADS, T0, WORKLOADS, log
+from gpu_jobs.job_dvc import run_dvc_cost
 from gpu_jobs.summary import summarize, tail
 
 # ---------------------------------------------------------------------------- parent side
@@ -376,6 +377,9 @@ class Bench:
                 self.child("verify:moe", 300, 60 if not smoke else 10)
         if {"tp", "moe_tp", "ray"} & set(jobs):
             self.run_parallel(jobs)
+        for job, variant in (("dvccost", "copy"), ("dvccost_link", "link")):  # last: they free the disk
+            if job in jobs:
+                run_dvc_cost(self, variant)
         self.results["summary"] = summarize(self.results)
         self.save()
         log("summary: " + json.dumps(self.results["summary"], indent=1, default=str))
