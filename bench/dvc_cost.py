@@ -6,18 +6,19 @@ artifacts/prepared; extract itself may or may not have run), e.g. on the H200 af
     .venv/bin/python bench/dvc_cost.py --remote /scratch/dvc-bench-remote [--cache-type hardlink,symlink]
 
 1. the stage alone: artifacts/hidden_states moved aside (put back if the stage fails), dvc.yaml's
-   extract cmd run by the shell, as DVC runs it;
+   extract cmd run as `$SHELL -c CMD`, as DVC runs it;
 2. DVC's work after it, alone: `dvc commit -f extract` (md5 of every output file + into .dvc/cache);
 3. `dvc repro -f -s extract` end to end (DVC removes the output, runs the stage, hashes, caches);
 4. `dvc push` of the extract outputs to a local directory remote (`--remote`, added with --local
    config and removed after), then `dvc pull` of them into a fresh copy of the project beside it
    (its own empty cache, the project's cache type), as a teammate's clone would.
 
-DVC's overhead is taken apart from the stage's own time, so the engine's start-up (which varies by
-tens of seconds between runs, and is shorter once torch.compile's cache is warm) does not hide it:
-the stage's metrics/extract.json says how long the stage ran (wall_s) and when it ended (the
-file's mtime); what a run spends before and after that is the process (imports, exit), plus, under
-`dvc repro`, DVC's work. dvc_overhead_s = repro's before + after minus the stage alone's.
+DVC's overhead is taken apart from the stage's own time, so the engine's start-up and shutdown
+(which vary by tens of seconds between runs; start-up is shorter once torch.compile's cache is
+warm) do not hide it: DVC runs a cmd as `$SHELL -c CMD`, so the runs here get a SHELL that notes
+when the cmd starts and ends (the stage alone runs through the same shell). DVC's overhead =
+repro's time before the cmd + after it (loading, output removal, then md5 of every file, the copy
+or links into the cache, dvc.lock) minus the stage alone's (~0).
 
 DVC runs as `python -m dvc` with this interpreter (no `dvc` executable is needed: the offline GPU
 host has DVC only as a PYTHONPATH directory, bench/gpu/pack-dvc.sh). Nothing of the project's own
@@ -47,16 +48,11 @@ CLONE_PARTS = ("dvc.yaml", "dvc.lock", "params.yaml", ".dvc/config", ".dvc/confi
 REMOTE = "dvc-cost-bench"
 
 
-def sh(argv: list[str] | str, cwd: Path | None = None) -> float:
-    """Run argv (a str: through the shell, as DVC runs a cmd; output passed through); its wall
-    seconds; fail loudly on a non-zero exit."""
-    t0 = time.monotonic()
-    subprocess.run(argv, cwd=cwd, check=True, shell=isinstance(argv, str))
-    return round(time.monotonic() - t0, 2)
-
-
 def dvc(*args: str, cwd: Path | None = None) -> float:
-    return sh([sys.executable, "-m", "dvc", *args], cwd=cwd)
+    """Run `python -m dvc ARGS` (output passed through); its wall seconds; fail loudly on a non-zero exit."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-m", "dvc", *args], cwd=cwd, check=True)
+    return round(time.monotonic() - t0, 2)
 
 
 def dvc_out(*args: str) -> str | None:
@@ -69,21 +65,36 @@ def tree_bytes(path: Path) -> tuple[int, int]:
     return len(files), sum(p.stat().st_size for p in files)
 
 
-def timed_stage_run(run) -> dict:
-    """Run `run()` (the stage, alone or under DVC); its wall and the part outside the stage's own run."""
+TIMING_SHELL = """#!/bin/sh
+# bench/dvc_cost.py: DVC runs a stage's cmd as "$SHELL -c CMD"; this notes when CMD starts and ends
+date +%s.%N >>"$DVC_COST_TIMES"
+/bin/sh "$@"
+rc=$?
+date +%s.%N >>"$DVC_COST_TIMES"
+exit $rc
+"""
+
+
+def timed_stage_run(argv: list[str], shell: Path) -> dict:
+    """Run argv (the stage alone through `shell`, or `dvc repro` with SHELL=`shell`): its wall,
+    the cmd's own, and the time before and after the cmd."""
     STAGE_METRICS.unlink(missing_ok=True)
+    times = shell.with_name(f"times-{time.monotonic_ns()}")
+    env = {**os.environ, "SHELL": str(shell), "DVC_COST_TIMES": str(times)}
     t0 = time.time()
-    run()
+    subprocess.run(argv, check=True, env=env)
     t1 = time.time()
+    marks = [float(x) for x in times.read_text().split()]
+    start, end = marks[0], marks[-1]  # a cmd of several lines: DVC runs each through the shell
     metrics = json.loads(STAGE_METRICS.read_text())
-    end = STAGE_METRICS.stat().st_mtime
     return {
         "wall_s": round(t1 - t0, 2),
+        "cmd_s": round(end - start, 2),
+        "before_cmd_s": round(start - t0, 2),
+        "after_cmd_s": round(t1 - end, 2),
         "stage_wall_s": metrics["wall_s"],
         "engine_load_s": metrics.get("engine_load_s"),
         "tok_per_s": metrics.get("tok_per_s"),
-        "before_stage_s": round(end - metrics["wall_s"] - t0, 2),
-        "after_stage_s": round(t1 - end, 2),
     }
 
 
@@ -155,6 +166,10 @@ def main() -> int:
         return True
 
     check_space(tree_bytes(OUT)[1] if OUT.is_dir() else args.expect_bytes, args.cache_type or saved_type, args.remote)
+    shell_dir = Path(tempfile.mkdtemp(prefix="dvc-cost-shell-"))
+    shell = shell_dir / "sh"
+    shell.write_text(TIMING_SHELL)
+    shell.chmod(0o755)
     if args.cache_type:
         dvc("config", "--local", "cache.type", args.cache_type)
     try:
@@ -163,7 +178,7 @@ def main() -> int:
         if OUT.exists():
             os.replace(OUT, aside)
         try:
-            result["stage_alone"] = timed_stage_run(lambda: sh(cmd))
+            result["stage_alone"] = timed_stage_run([str(shell), "-c", cmd], shell)
         except BaseException:
             if aside.exists() and not OUT.exists():
                 os.replace(aside, OUT)  # the project as it was
@@ -175,14 +190,16 @@ def main() -> int:
         result["out_md5_stage_alone"] = out_md5()
         save()
         if time_left_for("dvc repro", result["stage_alone"]["wall_s"] * 1.3 + 2 * result["dvc_commit_s"]):
-            result["repro"] = timed_stage_run(lambda: dvc("repro", "-f", "-s", "extract"))
+            result["repro"] = timed_stage_run([sys.executable, "-m", "dvc", "repro", "-f", "-s", "extract"], shell)
             result["out_md5_repro"] = out_md5()
             result["repro_same_bytes"] = result["out_md5_repro"] == result["out_md5_stage_alone"]
             alone, repro = result["stage_alone"], result["repro"]
-            overhead = (repro["before_stage_s"] - alone["before_stage_s"]) + (repro["after_stage_s"] - alone["after_stage_s"])
+            overhead = repro["before_cmd_s"] + repro["after_cmd_s"] - alone["before_cmd_s"] - alone["after_cmd_s"]
             result["dvc_repro_s"] = repro["wall_s"]
+            result["dvc_before_cmd_s"] = repro["before_cmd_s"]
+            result["dvc_after_cmd_s"] = repro["after_cmd_s"]  # md5 of every file, into the cache, dvc.lock
             result["dvc_overhead_s"] = round(overhead, 2)
-            # the goal's ratio with the stage's wall from the stage-alone run and DVC's part from the repro
+            # the goal's ratio: the stage alone's wall, plus DVC's part as the repro measured it
             result["repro_over_stage"] = round((alone["wall_s"] + overhead) / alone["wall_s"], 4)
             result["repro_over_stage_measured"] = round(repro["wall_s"] / alone["wall_s"], 4)
             save()
@@ -190,13 +207,14 @@ def main() -> int:
             push_pull(args, result)
             save()
     finally:
+        shutil.rmtree(shell_dir, ignore_errors=True)
         if args.cache_type:
             if saved_type:
                 dvc("config", "--local", "cache.type", saved_type)
             else:
                 dvc("config", "--local", "--unset", "cache.type")
     gb = result["bytes"] / 1e9
-    for key in ("dvc_commit_s", "dvc_overhead_s", "dvc_push_s", "dvc_pull_s"):
+    for key in ("dvc_commit_s", "dvc_after_cmd_s", "dvc_push_s", "dvc_pull_s"):
         if result.get(key):
             result[key.replace("_s", "_gb_per_s")] = round(gb / result[key], 3)
     save()

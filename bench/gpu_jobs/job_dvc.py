@@ -72,9 +72,12 @@ def free_stale_outputs(work: Path) -> None:
     """Delete the extractions other bench steps (this call's or an earlier call's on a warm
     machine) left under `work`, and what a killed dvccost run left: the disk holds one at a time."""
     stale = [*work.glob("project-*/artifacts/hidden_states*"), *work.glob("project-*/artifacts/.partial"),
-             *work.glob("dvc-remote"), *work.glob("dvc-cost-clone-*")]
+             *work.glob("project-*/.dvc/cache"), *work.glob("dvc-remote"), *work.glob("dvc-cost-clone-*")]
     for path in stale:
-        shutil.rmtree(path, ignore_errors=True)
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
     if stale:
         log(f"freed the disk: {', '.join(str(p.relative_to(work)) for p in stale)}")
 
@@ -150,6 +153,7 @@ def job_dvc_cost(state: dict, variant: str) -> dict:
     name = "dvc"
     proj = Path(state[f"project_{name}"])
     os.environ["DVC_NO_ANALYTICS"] = "1"  # no network on the host
+    os.environ.setdefault("DVC_SITE_CACHE_DIR", str(Path(state["work"]) / "dvc-site-cache"))  # not /var/tmp/dvc
     import dvc
 
     summary: dict = {"dvc_from": str(Path(dvc.__file__).parent), "sizing": state.get("dvc_sizing"),
