@@ -30,7 +30,7 @@ with DVC unpacked from bench/gpu/pack-dvc.sh's .gpudvc/ (PYTHONPATH=/tmp/site:/t
     python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost_link   # hardlink,symlink
 
   dvccost the dense shape in a real DVC project (`dvc init --no-scm`), as much of 512-token
-          prompts as the disk holds (6 copies at the peak with copy, 4 with links); bench/dvc_cost.py
+          prompts as the disk holds (5 copies at the peak with copy; links: the same size); bench/dvc_cost.py
           there: the stage alone, dvc commit, dvc repro -f -s extract, push/pull to a local remote
 `--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
 compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).

@@ -8,7 +8,7 @@ commit`, `dvc repro -f -s extract`, push and pull to a local remote. Two engine 
 the H200): one cache type per call. `--jobs dvccost` measures the default cache type (a copy on
 ext4), `--jobs dvccost_link` hardlink,symlink (README "Disk: cache type" calls them safe here).
 
-Disk: the H200 host has 64 GiB free on its one ext4 disk, and a run keeps up to 6 copies of the
+Disk: the H200 host has 64 GiB free on its one ext4 disk, and a run keeps up to 5 copies of the
 output at its peak with the copy type (dvc_cost.copies_needed), so the job sizes its own workload to
 the free space (512-token prompts, the dense shape's bytes per token) instead of reusing the dense
 job's 34 GB extraction, and first deletes the other bench projects' extractions (bench scratch,
@@ -50,7 +50,7 @@ def run_dvc_cost(bench, variant: str) -> None:
         return
     free_stale_outputs(bench.work)
     if not smoke:
-        copies = 4 if CACHE_TYPES[variant] else 6
+        copies = 5  # the copy type's peak (dvc_cost.copies_needed), for both variants: the same size, comparable
         free = shutil.disk_usage(bench.work).free
         per_prompt = PROMPT_TOKENS * BYTES_PER_TOKEN
         spec = dict(WORKLOADS["dvc"])
@@ -165,7 +165,7 @@ def job_dvc_cost(state: dict, variant: str) -> dict:
     out_json = Path(state["out"]) / f"dvccost_{variant}.json"
     argv = [sys.executable, str(REPO / "bench" / "dvc_cost.py"), "--remote", str(Path(state["work"]) / "dvc-remote"),
             "--json-out", str(out_json), "--deadline-unix", str(state["child_deadline_unix"] - 15),
-            "--expect-bytes", str(state.get("dvc_expect_bytes", 0))]
+            "--expect-bytes", str(state.get("dvc_expect_bytes", 0)), "--scratch-project"]
     if CACHE_TYPES[variant]:
         argv += ["--cache-type", CACHE_TYPES[variant]]
     summary["command"] = " ".join(argv[1:])
