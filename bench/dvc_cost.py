@@ -103,6 +103,22 @@ def timed_stage_run(argv: list[str], shell: Path) -> dict:
     }
 
 
+def wait_gpu_free(limit_s: float = 90.0, below_mib: float = 2000.0) -> float | None:
+    """Wait until the last run's engine processes have given the GPU memory back (a second engine
+    would not fit beside them); the fullest GPU's MiB in use when done, None without nvidia-smi."""
+    t0 = time.monotonic()
+    while True:
+        try:
+            out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                                 capture_output=True, text=True, timeout=20).stdout
+            used = max(float(x) for x in out.split())
+        except (OSError, ValueError, subprocess.SubprocessError):
+            return None
+        if used < below_mib or time.monotonic() - t0 > limit_s:
+            return used
+        time.sleep(1.0)
+
+
 def out_md5() -> str | None:
     """The extract output's md5 in dvc.lock (a .dir hash): equal for two runs iff every file is."""
     lock = yaml.safe_load(Path("dvc.lock").read_text()) if Path("dvc.lock").is_file() else {}
@@ -146,6 +162,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=os.cpu_count(), help="dvc push/pull --jobs")
     ap.add_argument("--json-out", type=Path, help="also write the JSON here, after every step")
     ap.add_argument("--deadline-unix", type=float, help="skip a step that would not end before this time.time()")
+    ap.add_argument("--wait-gpu-free", action="store_true", help="before the repro, wait (up to 90 s) for the GPU's memory")
     ap.add_argument("--scratch-project", action="store_true",
                     help="a project made for this run: leave the new output out of its own cache (saves a commit)")
     ap.add_argument("--expect-bytes", type=int, default=0,
@@ -210,6 +227,8 @@ def main() -> int:
         shutil.rmtree(BENCH_CACHE)  # the repro starts from an empty cache too
         save()
         if time_left_for("dvc repro", result["stage_alone"]["wall_s"] * 1.3 + 2 * result["dvc_commit_s"]):
+            if args.wait_gpu_free:
+                result["gpu_mib_used_before_repro"] = wait_gpu_free()
             result["repro"] = timed_stage_run([sys.executable, "-m", "dvc", "repro", "-f", "-s", "extract"], shell)
             result["out_md5_repro"] = out_md5()
             result["repro_same_bytes"] = result["out_md5_repro"] == result["out_md5_stage_alone"]

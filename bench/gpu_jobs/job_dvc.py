@@ -165,7 +165,7 @@ def job_dvc_cost(state: dict, variant: str) -> dict:
     out_json = Path(state["out"]) / f"dvccost_{variant}.json"
     argv = [sys.executable, str(REPO / "bench" / "dvc_cost.py"), "--remote", str(Path(state["work"]) / "dvc-remote"),
             "--json-out", str(out_json), "--deadline-unix", str(state["child_deadline_unix"] - 15),
-            "--expect-bytes", str(state.get("dvc_expect_bytes", 0)), "--scratch-project"]
+            "--expect-bytes", str(state.get("dvc_expect_bytes", 0)), "--scratch-project", "--wait-gpu-free"]
     if CACHE_TYPES[variant]:
         argv += ["--cache-type", CACHE_TYPES[variant]]
     summary["command"] = " ".join(argv[1:])
