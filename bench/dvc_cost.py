@@ -263,6 +263,18 @@ def main() -> int:
     return 0
 
 
+def clone_config(clone: Path) -> None:
+    """The clone's local config: its own cache, as a teammate's clone has (the copied one names the
+    run's cache), and no git (a copy of a git project's DVC files is no git repository; the data's
+    path through DVC is the same)."""
+    from configobj import ConfigObj  # DVC's own config format and library
+
+    cfg = ConfigObj(str(clone / ".dvc" / "config.local"))
+    cfg.setdefault("cache", {})["dir"] = str((clone / ".dvc" / "cache").resolve())
+    cfg.setdefault("core", {})["no_scm"] = "true"
+    cfg.write()
+
+
 def push_pull(args, result: dict) -> None:
     args.remote.mkdir(parents=True, exist_ok=True)
     dvc("remote", "add", "--local", "-f", REMOTE, str(args.remote.resolve()))
@@ -277,8 +289,7 @@ def push_pull(args, result: dict) -> None:
                 elif src.is_file():
                     (clone / part).parent.mkdir(parents=True, exist_ok=True)
                     shutil.copy2(src, clone / part)
-            # its own cache, as a teammate's clone has (the copied config names the bench cache)
-            dvc("config", "--local", "cache.dir", str((clone / ".dvc" / "cache").resolve()), cwd=clone)
+            clone_config(clone)
             result["dvc_pull_s"] = dvc("pull", "-r", REMOTE, "-j", str(args.jobs), "extract", cwd=clone)
             result["pull_files"], result["pull_bytes"] = tree_bytes(clone / OUT)
     finally:
