@@ -120,6 +120,8 @@ WORKLOADS = {
     "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
     # 131,072 tokens, 7.5 GB of states: seconds of extraction beside two ~1.5-minute engine start-ups
     "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16},
+    # "dvc" (issue 20, bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
+    "dvc": {"model": "dense", "len_a": 512, "n_a": 1536, "len_b": 0, "n_b": 0, "samples_per_shard": 16},
 }
 
 
@@ -128,6 +130,7 @@ SMOKE_WORKLOADS = {
     "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
     "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
     "seed": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
+    "dvc": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
 }
 
 

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from gpu_jobs.common import CLI, REPO, RUNS, SMOKE_WORKLOADS, T0, WORKLOADS, log, shape_of
+from gpu_jobs.job_dvc import run_dvc_cost
 from gpu_jobs.summary import summarize, tail
 
 # ---------------------------------------------------------------------------- parent side
@@ -409,6 +410,9 @@ class Bench:
             self.run_parallel(jobs)
         if "seed" in jobs:
             self.run_seed()
+        for job, variant in (("dvccost", "copy"), ("dvccost_link", "link")):  # last: they free the disk
+            if job in jobs:
+                run_dvc_cost(self, variant)
         self.results["summary"] = summarize(self.results)
         self.save()
         log("summary: " + json.dumps(self.results["summary"], indent=1, default=str))
