@@ -31,7 +31,7 @@ from pipeline.shards import complete_shards, load_sample, read_manifest
 from pipeline.verify_report import Report
 from pipeline.verify_sample_judge import check_samples
 
-EPS = (0.1, 0.2, 0.3, 0.5, 1.0, 2.0)
+EPS = tuple(float(e) for e in os.environ.get("EPS", "0.05,0.1,0.15,0.2,0.3,0.5,1,2").split(","))
 RUN = 16
 
 
