@@ -26,6 +26,7 @@ import torch
 from datasets import load_from_disk
 
 from pipeline import verify_samples as V
+from pipeline import verify_whitening as W
 from pipeline.params import VerifyParams
 from pipeline.shards import complete_shards, load_sample, read_manifest
 from pipeline.verify_report import Report
@@ -37,8 +38,8 @@ RUN = 16
 
 def main(root: Path, stride: int, victims_wanted: int) -> None:
     torch.manual_seed(0)
-    V.WHITEN_RIDGE = float(os.environ.get("WHITEN_RIDGE", V.WHITEN_RIDGE))  # to compare settings
-    V.WHITEN_POWER = float(os.environ.get("WHITEN_POWER", V.WHITEN_POWER))
+    W.WHITEN_RIDGE = float(os.environ.get("WHITEN_RIDGE", W.WHITEN_RIDGE))  # to compare settings
+    W.WHITEN_POWER = float(os.environ.get("WHITEN_POWER", W.WHITEN_POWER))
     target = json.loads((root / "artifacts/model/target.json").read_text())
     embedding = V.load_embedding(Path(target["path"]), device="cpu")
     files = complete_shards(root / "artifacts/hidden_states")
@@ -66,7 +67,7 @@ def main(root: Path, stride: int, victims_wanted: int) -> None:
         return report
 
     dtype = next(iter(samples.values())).hidden_states.dtype
-    print(f"whiten ridge {V.WHITEN_RIDGE} power {V.WHITEN_POWER}")
+    print(f"whiten ridge {W.WHITEN_RIDGE} power {W.WHITEN_POWER}")
     print(f"{root}: {len(samples)} samples, {dtype}, L {L} H {embedding.shape[1]}, stride {stride}, fit tokens "
           f"{coherence.fit_tokens}, refit excluded {coherence.refit_excluded}")
     report = judge(clean, old=False)

@@ -37,15 +37,12 @@ import torch
 from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
 from pipeline.shards import read_header, read_manifest
+from pipeline.verify_whitening import noise_leak, residual_whitener
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
 BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
-# whitened test: ridge on the clean residual's covariance, as a share of its mean eigenvalue (its smallest
-# eigenvalues are 0.2-0.3 of the median on the tiny Llama: the ridge keeps an estimate's noise in them from ruling)
-WHITEN_RIDGE = 1e-2
-WHITEN_POWER = 2  # score r^T S^-power r: 2 = the score test for added isotropic noise, 1 = Mahalanobis
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 
@@ -168,45 +165,14 @@ class Coherence:
         weights = [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
         # the residual covariance under the map that scores a fold, from the Gram matrix of the fold's other half:
         # out of fold for the map and out of sample for the covariance (a half with no data: any other that has)
+        L, H = len(self.layer_ids), self.embedding.shape[1]
         self.whiteners = {}
         for f in range(2):
             for k in range(2):
                 key = next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in halves)
-                self.whiteners[(f, k)] = self._whitener(weights[f], halves[key], sizes[key])
-        self.leak = self._leak(weights[0], *self.whiteners[(0, 0)], grams[0] if grams[0] is not None else grams[1])
+                self.whiteners[(f, k)] = residual_whitener(weights[f], halves[key], sizes[key], L, H)
+        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], grams[0] if grams[0] is not None else grams[1], L, H)
         return weights
-
-    def _leak(self, weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram: torch.Tensor) -> torch.Tensor:
-        """Noise n (E||n||^2 = ||h_j||^2, isotropic) on layer j adds -W_jk^T n to layer k's residual: a whitened share
-        of ||W_jk U_k diag(scales_k)||_F^2 / H x (mean ||h_j||^2 / mean ||h_k||^2) to layer k's test."""
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        energy = gram.diagonal()[: L * H].reshape(L, H).sum(1).float()
-        leak = torch.eye(L)
-        for j in range(L):
-            for k in range(L):
-                if j != k:
-                    block = weights[j * H : (j + 1) * H, k * H : (k + 1) * H].float() @ vectors[k] * scales[k]
-                    leak[j, k] = float(block.pow(2).sum() / H * energy[j] / energy[k].clamp_min(1e-30))
-        return leak
-
-    def _whitener(self, weights: torch.Tensor, gram: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per captured layer j, the clean residual r = h_j - predict(...) has covariance S_j = D_j^T G D_j / n (D_j:
-        the selection of h_j minus the map's columns of j, G: the Gram matrix of the inputs). The whitened test scores
-        ||S_j^-1 r||^2 (the score test for added isotropic noise: it weighs each direction by 1 / variance^2, so noise
-        counts most where clean residuals barely go), scaled to equal ||r||^2 for an isotropic S_j; returned as the
-        eigenvectors U of S_j and the weights sqrt(c) / (eigenvalue + ridge): score = ||(r U) * weights||^2."""
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        vectors, scales = [], []
-        for j in range(L):
-            d = -weights[:, j * H : (j + 1) * H].double()
-            d[j * H : (j + 1) * H] += torch.eye(H, dtype=d.dtype, device=d.device)
-            values, u = torch.linalg.eigh(d.T @ (gram @ d) / n)
-            values = values.clamp_min(0)
-            values = values + WHITEN_RIDGE * values.mean().clamp_min(1e-30)
-            inverse = values.pow(-WHITEN_POWER / 2)
-            vectors.append(u)
-            scales.append(inverse * (H / inverse.pow(2).sum()).sqrt())
-        return torch.stack(vectors).float(), torch.stack(scales).float()
 
     def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
         L, H = len(self.layer_ids), self.embedding.shape[1]
