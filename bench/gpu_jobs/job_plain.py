@@ -7,13 +7,14 @@ import time
 from pathlib import Path
 
 from gpu_jobs.common import _prompts, log
-from gpu_jobs.engine_runs import _engine_params
+from gpu_jobs.engine_runs import _engine_params, _patch_eager_for_moe
 
 
 def job_plain(state: dict, name: str) -> dict:
     """Plain prefill on the same engine settings, extraction off."""
     from pipeline import vllm_compat
 
+    _patch_eager_for_moe(state, name)  # the stage's engine settings, eager where the stage's is
     proj = Path(state[f"project_{name}"])
     prompts = _prompts(proj)
     phases = state[f"phases_{name}"]
@@ -31,6 +32,7 @@ def job_plain(state: dict, name: str) -> dict:
         max_num_batched_tokens=params.max_num_batched_tokens,
         gpu_memory_utilization=params.gpu_memory_utilization,
     )
+    summary_eager = bool(kw.get("enforce_eager"))
     kw.pop("speculative_config")
     kw.pop("kv_transfer_config")
     from vllm import LLM, SamplingParams
@@ -62,6 +64,7 @@ def job_plain(state: dict, name: str) -> dict:
         "sec_all": round(sec_all, 3),
         "tokens_A": tok_a,
         "tokens_B": tok_b,
+        "eager": summary_eager,
     }
     log(f"plain {name}: {summary}")
     return {"summary": summary}

@@ -16,7 +16,7 @@ def job_stage(state: dict, name: str, baseline: bool = False) -> dict:
     _instrument()
     summary = _stage_once(state, name, extract)
     summary["extract_params"] = state.get(f"extract_{name}")
-    summary["eager"] = model_of(state, name) == "moe" or bool(state.get("eager"))
+    summary["eager"] = model_of(state, name) in ("moe", "seed") or bool(state.get("eager"))
     if note := state.get(f"smoke_note_{name}"):
         summary["note"] = note
     return {"summary": summary}

@@ -91,7 +91,12 @@ def job_verify(state: dict, name: str) -> dict:
         return r
 
     verify.check_structure_and_values = struct
-    failed, verify_s = _run_verify(proj)
+    # the seed (issue 28): the streamed reference under a budget below the model's size, its GPU peak measured
+    budget = {"reference_memory_gib": state[f"reference_gib_{name}"]} if state.get(f"reference_gib_{name}") else {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    failed, verify_s = _run_verify(proj, **budget)
+    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
     metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
     report_md = (proj / "reports/verify/report.md").read_text()
     findings = json.loads((proj / "reports/verify/findings.json").read_text())
@@ -125,6 +130,10 @@ def job_verify(state: dict, name: str) -> dict:
         else None,
         **timings,
         **cal,
+        "gpu_peak_bytes": peak,
+        "reference_budget_bytes": int(budget["reference_memory_gib"] * 2**30) if budget else None,
+        "metrics_summary": {k: metrics.get(k) for k in ("reference", "reference_choice", "reference_load", "reference_load_seconds",
+                                                        "reference_check_seconds", "verify_seconds", "verify_over_extract_time")},
         "layers": metrics.get("layers"),
         "argmax_agreement": metrics.get("argmax_agreement"),
         "checks": metrics.get("checks"),

@@ -24,6 +24,8 @@ VERIFY_MODES = {  # "default" first in this process: it pays the process's first
 }
 if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
     VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
+for stride in filter(None, os.environ.get("VERIFY_SAMPLE_STRIDES", "").split(",")):  # the per-sample tests' cost per judged byte
+    VERIFY_MODES[f"sample_stride_{stride}"] = {"sample_stride": int(stride)}
 if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
     VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 

@@ -15,7 +15,8 @@ import sys
 import time
 from pathlib import Path
 
-from gpu_jobs.common import CLI, DENSE, MOE, REPO, RUNS, SMOKE_DENSE, SMOKE_MOE, SMOKE_WORKLOADS, T0, WORKLOADS, log
+from gpu_jobs.common import CLI, REPO, RUNS, SMOKE_WORKLOADS, T0, WORKLOADS, log, shape_of
+from gpu_jobs.job_dvc import run_dvc_cost
 from gpu_jobs.summary import summarize, tail
 
 # ---------------------------------------------------------------------------- parent side
@@ -199,9 +200,7 @@ class Bench:
         """Target dir + target.json + prepared dataset for model `name` (no GPU needed)."""
         spec = (SMOKE_WORKLOADS if self.args.smoke else WORKLOADS)[name]
         model = spec.get("model", name)
-        shape = (
-            (SMOKE_DENSE if self.args.smoke else DENSE) if model == "dense" else (SMOKE_MOE if self.args.smoke else MOE)
-        )
+        shape = shape_of(self.state, model)
         proj = self.work / f"project-{name}"
         shutil.rmtree(proj, ignore_errors=True)
         model_dir = Path(self.state["models"]) / model
@@ -339,6 +338,39 @@ class Bench:
                 pair = checks[i : i + 2]
                 self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
 
+    def run_seed(self) -> None:
+        """Issue 28: the seed's shape built on the GPU, extracted, prefilled plainly, verified under a
+        budget below its size, and planned; bad params fail here, before any child touches the GPU."""
+        from gpu_jobs.common import SEED_REFERENCE_GIB, layer_ids_of
+        from gpu_jobs.job_seed import seed_figures, smoke_budget_gib
+        from pipeline.seed_shape import check_reference_budget
+
+        smoke, fast = self.args.smoke, 10 if self.args.smoke else None
+        spec = (SMOKE_WORKLOADS if smoke else WORKLOADS)["seed"]
+        self.state.update(seed_depth=self.args.seed_depth, seed_experts=self.args.seed_experts)
+        cfg = shape_of(self.state, "seed")  # depth, width, layer ids, experts: checked here
+        budget = self.args.seed_reference_gib or (None if smoke else SEED_REFERENCE_GIB)
+        check_reference_budget(cfg, budget, max(spec["len_a"], spec["len_b"]))
+        self.results["seed_params"] = {"depth": self.args.seed_depth, "experts": self.args.seed_experts,
+                                       "layer_ids": layer_ids_of(self.state, "seed"), "reference_gib": budget}
+        self.child("build:seed", 300, fast or 60)
+        if "build:seed" not in self.results["jobs"]:
+            return
+        if smoke and budget is None:  # the tiny model: just above the smallest budget, so the experts go in chunks
+            budget = smoke_budget_gib(Path(self.state["models"]) / "seed", max(spec["len_a"], spec["len_b"]))
+            self.results["seed_params"]["reference_gib"] = budget
+        self.state["reference_gib_seed"] = budget
+        self.prepare_project("seed")
+        self.child("plan:seed", 90, fast or 15)
+        self.child("stage:seed", 300, fast or 100)
+        if "stage:seed" in self.results["jobs"]:
+            self.child("plain:seed", 240, fast or 80)
+            self.state["plain_tok_s_seed"] = self.results["jobs"].get("plain:seed", {}).get("summary", {}).get("tok_s_all")
+            self.child("verify:seed", 300, fast or 60)
+            self.child("plan:seed_after", 90, fast or 15)
+        self.results["seed"] = seed_figures(self.results["jobs"])
+        self.save()
+
     def run(self, jobs: list[str]) -> None:
         self.results["env"] = environment()
         self.results["args"] = vars(self.args)
@@ -376,6 +408,11 @@ class Bench:
                 self.child("verify:moe", 300, 60 if not smoke else 10)
         if {"tp", "moe_tp", "ray"} & set(jobs):
             self.run_parallel(jobs)
+        if "seed" in jobs:
+            self.run_seed()
+        for job, variant in (("dvccost", "copy"), ("dvccost_link", "link")):  # last: they free the disk
+            if job in jobs:
+                run_dvc_cost(self, variant)
         self.results["summary"] = summarize(self.results)
         self.save()
         log("summary: " + json.dumps(self.results["summary"], indent=1, default=str))

@@ -67,6 +67,11 @@ def summarize(results: dict) -> dict:
     if stage.get("stage_tok_s") and base.get("stage_tok_s"):
         out["stage_over_baseline"] = round(stage["stage_tok_s"] / base["stage_tok_s"], 4)
     out["matmul_tflops"] = peak
+    for job, r in jobs.items():  # DVC's own cost (issue 20, job_dvc.py): the headline numbers
+        if job.startswith("dvccost:") and (c := (r.get("summary") or {}).get("dvc_cost")):
+            keys = ("cache_type", "bytes", "files", "stage_alone", "dvc_commit_s", "dvc_before_cmd_s", "dvc_after_cmd_s", "dvc_overhead_s", "repro_over_stage",
+                    "repro_over_stage_measured", "repro_same_bytes", "dvc_push_s", "dvc_pull_s", "skipped")
+            out[job.replace(":", "_")] = {k: c.get(k) for k in keys}
     if par := summarize_parallel(jobs):
         out["multi_gpu"] = par
     return out
