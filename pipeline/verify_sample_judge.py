@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from pipeline.verify_report import Report
-from pipeline.verify_samples import EXCHANGE_POSITIONS, WHOLE_MIN_SAMPLES, Coherence, SampleScores
+from pipeline.verify_samples import EXCHANGE_POSITIONS, WHOLE_MIN_SAMPLES, Coherence, SampleScores, tests_per_position
 
 WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
 # Clean scores have heavier tails than the MAD's normal law: within-sample maxima 7.7-9.4 robust sigmas on the
@@ -30,6 +30,36 @@ WITHIN_Z_FACTOR = 2.0
 # an exchange fails only where swapping back explains this much better: two captured layers can be
 # nearly alike (tiny DeepSeek-V3 bf16, layers 4 and 5: a clean sample 1.01x "better" exchanged)
 EXCHANGE_MIN_GAIN = 1.5
+# A token's first positions have little context yet: their whitened residual shares run higher (log +0.2..0.5
+# at positions 1-15 on the tiny Llama; a clean 20-token sample failed the whole-sample test, z 7.8 > 6.5).
+# The whitened tests judge them against the run's own positions of the same range (bucket edges below)
+EARLY_POSITION_EDGES = (4, 8, 12, 16)
+EARLY_MIN_ROWS = 8  # a bucket with fewer judged rows in the run is left as it is
+
+
+def centre_early_positions(scores: list[SampleScores], columns: slice) -> list[SampleScores]:
+    """The scores with the `columns` of positions before EARLY_POSITION_EDGES[-1] divided by how much higher the
+    run's median is in their range than from there on (never multiplied up: only the clean excess goes)."""
+    edges = np.array(EARLY_POSITION_EDGES)
+    buckets = [torch.from_numpy(np.searchsorted(edges, s.positions, side="right")) for s in scores]
+    every = torch.cat(buckets)
+    logs = torch.cat([s.shares[:, columns] for s in scores]).double().clamp_min(1e-30).log()
+    later = every == len(edges)
+    if not later.any():
+        return scores
+    offsets = torch.zeros(len(edges) + 1, logs.shape[1], dtype=torch.float64)
+    for k in range(len(edges)):
+        rows = every == k
+        if int(rows.sum()) >= EARLY_MIN_ROWS:
+            offsets[k] = (logs[rows].median(0).values - logs[later].median(0).values).clamp_min(0)
+    out = []
+    for s, b in zip(scores, buckets, strict=True):
+        shares = s.shares.clone()
+        shares[:, columns] = (shares[:, columns].double() * (-offsets[b]).exp()).to(shares.dtype)
+        out.append(SampleScores(s.sample, s.positions, shares, s.exchange))
+    return out
+
+
 def window_scores(shares: torch.Tensor, window: int) -> torch.Tensor:
     """[P, K] -> [max(P - window + 1, 1), K]: per run of `window` judged rows, the mean log residual
     share without the window's largest (a confined fault raises every row of a run; one clean token
@@ -92,9 +122,12 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         return
     L = len(coherence.layer_ids)
     names = ([f"layer {lid} vs other positions" for lid in coherence.layer_ids] + [f"token (layer {coherence.layer_ids[0]} vs E[id])",
-             "all layers vs other positions"] + [f"layer {lid}" for lid in coherence.layer_ids] + ["all layers"])
+             "all layers vs other positions"] + [f"layer {lid}" for lid in coherence.layer_ids] + ["all layers"]
+             + [f"layer {lid} whitened" for lid in coherence.layer_ids])
     window = max(1, params.sample_window // params.sample_stride)
-    per_sample = [(shard, s, window_scores(s.shares, window)) for shard, s in scores if s.shares.shape[0]]
+    scores = [(shard, s) for shard, s in scores if s.shares.shape[0]]
+    centred = centre_early_positions([s for _, s in scores], slice(2 * L + 3, None)) if scores else []
+    per_sample = [(shard, s, window_scores(s.shares, window)) for (shard, _), s in zip(scores, centred, strict=True)]
     if not per_sample:
         return
     pooled = torch.cat([w for _, _, w in per_sample])
@@ -110,7 +143,7 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     if within_z is not None and within_z.shape[0] >= TAIL_MIN_SCORES:
         within_threshold, within_rule = tail_threshold(within_z, tests, params.sample_false_alarm).clamp_min(z_star), "tail"
     else:
-        within_threshold, within_rule = torch.full((2 * L + 3,), WITHIN_Z_FACTOR * z_star, dtype=torch.float64), "factor"
+        within_threshold, within_rule = torch.full((tests_per_position(L),), WITHIN_Z_FACTOR * z_star, dtype=torch.float64), "factor"
     within_factor = within_threshold / z_star  # per test
     window_sample = torch.cat([torch.full((w.shape[0],), i) for i, (_, _, w) in enumerate(per_sample)])
     pop_threshold, pop_rule = calibrated((pooled - median) / sigma, window_sample, tests, params.sample_false_alarm, z_star)
@@ -143,7 +176,7 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         "judged_positions": int(sum(s.positions.size for _, s in scores)),
         "exchange_positions": EXCHANGE_POSITIONS,
     }
-    max_z = torch.full((2 * L + 3,), -math.inf, dtype=torch.float64)
+    max_z = torch.full((tests_per_position(L),), -math.inf, dtype=torch.float64)
     max_within = max_z.clone()
     exchange_gain = -math.inf
     max_whole = max_z.clone()
@@ -173,7 +206,8 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
             fail_exchange(report, shard, s, coherence.layer_ids)
         bad = z > z_star
         if bad.any():
-            fail_windows(report, shard, s, w, z, bad, kind, names, coherence.layer_ids, median, window, z_star, params)
+            fail_windows(report, shard, s, w, z, bad, kind, names, coherence.layer_ids, median, window, z_star, params,
+                         coherence.leak)
     summary["max_z"] = [float(v) for v in max_z]
     summary["max_within_z"] = [float(v) for v in max_within] if local else None
     summary["max_whole_sample_z"] = [float(v) for v in max_whole] if whole_median is not None else None
@@ -194,7 +228,7 @@ def fail_exchange(report: Report, shard: str, s: SampleScores, layer_ids: list[i
     )
 
 
-def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, window, z_star, params) -> None:
+def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, window, z_star, params, leak=None) -> None:
     L = len(layer_ids)
     worst = int(z.max(0).values.argmax())
     rows = bad.any(1).nonzero().squeeze(-1)
@@ -203,11 +237,27 @@ def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, wi
     last = int(s.positions[min(int(rows[-1]) + window - 1, n - 1)])
     peak = int(z[:, worst].argmax())
     # the layer named: the layer test furthest off where the worst test peaks (the token test: the first layer)
-    named = 0 if worst == L else worst - L - 2 if L + 2 <= worst < 2 * L + 2 else worst if worst < L else int(z[peak, :L].argmax())
+    if worst == L:  # the token test: the first layer
+        named = 0
+    elif L + 2 <= worst < 2 * L + 2:  # a raw share
+        named = worst - L - 2
+    elif worst >= 2 * L + 3:
+        # a whitened share: noise on one layer also lands in its neighbours' whitened residuals (it is an input of
+        # their predictions, and there it can weigh more: noise on layer 4 of the tiny Llama flagged layer 5 first).
+        # The layer named is the one whose leak pattern (Coherence.leak: what noise on it adds to each layer's
+        # test) best matches the window's rise of the whitened shares above the run's median
+        white = slice(2 * L + 3, 3 * L + 3)
+        rise = (w[peak, white].exp() - median[white].exp()).clamp_min(0).float()
+        named = int(((leak @ rise) / leak.norm(dim=1).clamp_min(1e-30)).argmax()) if leak is not None else worst - 2 * L - 3
+    else:  # a contrast ratio, or an all-layers test: the layer whose contrast is furthest off there
+        named = worst if worst < L else int(z[peak, :L].argmax())
     value = math.exp(float(w[peak, worst]))
     others = [names[k] for k in range(len(names)) if k != worst and bad[:, k].any()]
     if worst == L:
         what = "the captured states do not belong to this sample's tokens (shifted rows, or another request's)"
+    elif worst >= 2 * L + 3:
+        what = (f"layer {layer_ids[named]}'s state is off the other captured layers' prediction in directions where clean "
+                "states' residuals rarely go (noise or wrong values on these rows)")
     else:
         what = (f"layer {layer_ids[named]}'s state is not explained by the other captured layers and the token's "
                 "embedding (zeroed, from another request or layer, shifted, or noisy rows)")

@@ -10,6 +10,12 @@ model) and per test it scores the residual energy as a share of the state's:
 
     layer j      ||h_j - predict(other captured layers, E[ids[t]])||^2 / ||h_j||^2
     token        ||h_a - predict(E[ids[t]])||^2 / ||h_a||^2   (a = the first captured layer)
+    whitened j   ||S_j^-1 (h_j - predict(...))||^2 / ||h_j||^2, scaled (S_j: the clean residual's covariance)
+
+The clean residual of a layer lives mostly in a few directions; noise or wrong values added to a state
+spread over all of them, so the whitened share sees them where the raw share cannot (tiny Llama, 540
+samples: noise of relative RMS 0.2-0.3 on 16 positions of one layer, where the raw share caught 0.3 on
+two layers and nothing up to 2 on the others: docs/ARCHITECTURE.md "Sensitivity, measured").
 
 Every run of `verify.sample_window` consecutive positions of every sample is a window; its score is
 the mean log residual share of its judged positions, the largest left out (robust to one odd token). Windows are judged against all windows of the run (median, and the MAD
@@ -32,6 +38,7 @@ import torch
 from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
 from pipeline.shards import read_header, read_manifest
+from pipeline.verify_whitening import noise_leak, residual_whitener
 
 _staging = threading.local()  # per scan thread: the page-locked buffer a GPU's judged rows go up from
 
@@ -73,7 +80,8 @@ def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarra
 class SampleScores:
     sample: int
     positions: np.ndarray  # [P] the sampled positions
-    # [P, 2L + 3] per test: contrast ratios (layers, token, all layers), then raw residual shares (layers, all), CPU
+    # [P, 3L + 3] per test (tests_per_position): contrast ratios (layers, token, all layers), raw residual shares
+    # (layers, all), whitened residual shares (layers); CPU
     shares: torch.Tensor
     # per adjacent pair of captured layers (i, i + 1): mean log(share as written / share with the two
     # exchanged) over the first EXCHANGE_POSITIONS judged positions; > 0: they fit better exchanged
@@ -88,9 +96,14 @@ class Coherence:
         self.layer_ids, self.embedding, self.stride, self.seed = layer_ids, embedding, stride, seed
         self.device = embedding.device
         self.weights: list[torch.Tensor] | None = None  # per fold, the predictors that score it: [(L + 1) H + 1, (L + 1) H]
+        # per (fold, half), the whitened test's basis of each layer's clean residual: (eigenvectors [L, H, H], weights [L, H])
+        self.whiteners: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
+        # [L, L]: the whitened share isotropic noise of relative RMS 1 on layer j adds to layer k's test (1 on the
+        # diagonal): noise on a layer also enters the other layers' predictions; the judge names a layer with it
+        self.leak: torch.Tensor | None = None
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
-        self._compute_cache: dict[int, tuple] = {}  # fold -> (weights, as scored, layer differences)
+        self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
 
     def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
@@ -107,6 +120,12 @@ class Coherence:
         other fold (cross-fitting: fitted on itself, a linear map of (L+1)H inputs absorbs much of
         a whole-sample fault, e.g. two layers exchanged)."""
         return random.Random(f"fold/{self.seed}/{sid}").randrange(2)
+
+    def half(self, sid: int) -> int:
+        """Each fold falls into two seeded halves: a sample's whitened test uses the residual covariance of its fold's
+        other half. Out of sample for every sample alike: a covariance estimated on a sample itself fits its residual's
+        smallest directions (a sample left out of the fit scored 3.7x higher whitened than those in it, tiny Llama)."""
+        return random.Random(f"half/{self.seed}/{sid}").randrange(2)
 
     def fit(self, chunks) -> None:
         """Least squares on (fold, sample, inputs) chunks, one per fold; standardised per block,
@@ -130,18 +149,33 @@ class Coherence:
             self.weights = self._fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k]) or self.weights
 
     def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
+        halves: dict[tuple[int, int], torch.Tensor] = {}  # (fold, half) -> Gram matrix of the inputs
+        sizes: dict[tuple[int, int], int] = {}
+        for fold, sid, x in chunks:
+            x, key = x.double(), (fold, self.half(sid))
+            halves[key] = x.T @ x if key not in halves else halves[key] + x.T @ x
+            sizes[key] = sizes.get(key, 0) + x.shape[0]
         grams: list = [None, None]
         counts = [0, 0]
-        for fold, _sid, x in chunks:
-            x = x.double()
-            grams[fold] = x.T @ x if grams[fold] is None else grams[fold] + x.T @ x
-            counts[fold] += x.shape[0]
+        for (fold, _), g in halves.items():
+            grams[fold] = g if grams[fold] is None else grams[fold] + g
+            counts[fold] += sizes[(fold, _)]
         fitted = [self._solve(g, n) if g is not None else None for g, n in zip(grams, counts, strict=True)]
         if fitted[0] is None and fitted[1] is None:
             return None
         self.fit_tokens = sum(counts)
         # scored by the other fold's predictors; a fold with no data falls back to its own
-        return [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
+        weights = [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
+        # the residual covariance under the map that scores a fold, from the Gram matrix of the fold's other half:
+        # out of fold for the map and out of sample for the covariance (a half with no data: any other that has)
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        self.whiteners = {}
+        for f in range(2):
+            for k in range(2):
+                key = next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in halves)
+                self.whiteners[(f, k)] = residual_whitener(weights[f], halves[key], sizes[key], L, H)
+        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], grams[0] if grams[0] is not None else grams[1], L, H)
+        return weights
 
     def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
         L, H = len(self.layer_ids), self.embedding.shape[1]
@@ -168,7 +202,7 @@ class Coherence:
 
     def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fold's predictors in the dtype the scoring matmul runs in (bf16 on a GPU: tensor cores; rounding
-        adds ~1e-5 to a share of ~1e-1), and [L - 1, H, (L + 1) H] W_i - W_{i+1}, the differences of adjacent
+        adds ~1e-5 to a share of ~1e-1), [L - 1, H, (L + 1) H] W_i - W_{i+1}, the differences of adjacent
         captured layers' input rows (the exchange test); made once per fit and fold, not per sample."""
         weights = self.weights[fold]
         cached = self._compute_cache.get(fold)
@@ -177,6 +211,16 @@ class Coherence:
             dtype = torch.bfloat16 if self.device.type == "cuda" else weights.dtype
             rows = weights[: L * H].reshape(L, H, -1)
             cached = self._compute_cache[fold] = (weights, weights.to(dtype), (rows[:-1] - rows[1:]).to(dtype))
+        return cached[1], cached[2]
+
+    def _compute_whitener(self, fold: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whitened test's eigenvectors [L, H, H] in the scoring dtype (bf16 on a GPU: an eigenbasis rounds
+        every direction alike, unlike S^-1, whose 1e2-1e4 spread of scales bf16 would blur) and weights [L, H]."""
+        vectors, weights = self.whiteners[(fold, half)]
+        cached = self._compute_cache.get((fold, half))
+        if cached is None or cached[0] is not vectors:
+            dtype = torch.bfloat16 if self.device.type == "cuda" else vectors.dtype
+            cached = self._compute_cache[(fold, half)] = (vectors, vectors.to(dtype), weights)
         return cached[1], cached[2]
 
     def _predict(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -200,7 +244,7 @@ class Coherence:
     @torch.inference_mode()
     def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]]) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
-        shard's samples are scored together: one batch of judged rows per fold and dtype (up to BATCH_ROWS),
+        shard's samples are scored together: one batch of judged rows per fold, half and dtype (up to BATCH_ROWS),
         so a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
@@ -208,19 +252,19 @@ class Coherence:
         for sid, hidden, dtype, ids in samples:
             positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
             if len(positions) < 2:  # no other judged position to contrast with
-                scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, 2 * L + 3))
+                scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
             else:
-                groups.setdefault((self.fold(sid), dtype), []).append((sid, hidden, ids, positions))
-        for (fold, dtype), group in groups.items():
+                groups.setdefault((self.fold(sid), self.half(sid), dtype), []).append((sid, hidden, ids, positions))
+        for (fold, half, dtype), group in groups.items():
             batch, rows = [], 0
             for item in group:
                 batch.append(item)
                 rows += len(item[3])
                 if rows >= BATCH_ROWS:
-                    scored.update(self._score_batch(fold, dtype, batch))
+                    scored.update(self._score_batch(fold, half, dtype, batch))
                     batch, rows = [], 0
             if batch:
-                scored.update(self._score_batch(fold, dtype, batch))
+                scored.update(self._score_batch(fold, half, dtype, batch))
         return [scored[sid] for sid, *_ in samples]
 
     def _gather(self, batch: list, n: int) -> torch.Tensor:
@@ -242,7 +286,7 @@ class Coherence:
             at += len(positions)
         return rows
 
-    def _score_batch(self, fold: int, dtype: str, batch: list) -> dict[int, SampleScores]:
+    def _score_batch(self, fold: int, half: int, dtype: str, batch: list) -> dict[int, SampleScores]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
         layers of the *next* judged position of the same sample, the first layer from the embedding of
@@ -265,6 +309,7 @@ class Coherence:
             after.append(ids[(pos + 1).clamp_max(len(ids) - 1)])
         h, x = self.inputs(self._gather(batch, n), dtype, torch.cat(tokens_at))
         weights, differences = self._compute_weights(fold)
+        eigenvectors, scales = self._compute_whitener(fold, half)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
         # next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
@@ -282,7 +327,13 @@ class Coherence:
         ratio = share / contrast.clamp_min(1e-30)
         raw = share[:, :L]
         geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
-        tests = torch.cat([ratio, geometric[0], raw, geometric[1]], 1)
+        # whitened residual of each layer: ||(r U) * weights||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
+        residual = (h - pred.reshape(-1, L + 1, H)[:, :L]).transpose(0, 1)  # [L, n, H]
+        projected = torch.bmm(residual.to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
+        energy = h.pow(2).sum(-1)
+        white = projected.pow(2).sum(-1).T / energy.clamp_min(1e-30)
+        white = torch.where(energy > 0, white, torch.full_like(white, ZERO_ROW_SHARE))
+        tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
             kept = np.minimum(lengths, EXCHANGE_POSITIONS)
@@ -304,6 +355,12 @@ class Coherence:
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                 for i, ((sid, _, _, positions), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+
+
+def tests_per_position(layers: int) -> int:
+    """Scores per judged position: contrast ratios (layers, token, all layers), raw residual shares (layers, all
+    layers), whitened residual shares (layers)."""
+    return 3 * layers + 3
 
 
 def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:

@@ -1,0 +1,47 @@
+"""The whitened test's pieces (verify_samples.Coherence): each captured layer's clean residual covariance,
+in its eigenbasis, and what noise on one layer adds to the other layers' whitened scores."""
+
+from __future__ import annotations
+
+import torch
+
+# ridge on the clean residual's covariance, as a share of its mean eigenvalue (its smallest eigenvalues are 0.2-0.3
+# of the median on the tiny Llama: the ridge keeps an estimate's noise in them from ruling)
+WHITEN_RIDGE = 1e-2
+WHITEN_POWER = 2  # score r^T S^-power r: 2 = the score test for added isotropic noise, 1 = Mahalanobis
+
+
+def residual_whitener(weights: torch.Tensor, gram: torch.Tensor, n: int, layers: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per captured layer j, the clean residual r = h_j - predict(...) has covariance S_j = D_j^T G D_j / n (D_j: the
+    selection of h_j minus the map's columns of j, G: the Gram matrix [(L+1)H+1]^2 of n input rows). The whitened test
+    scores ||S_j^-1 r||^2 (the score test for added isotropic noise: it weighs each direction by 1 / variance^2, so
+    noise counts most where clean residuals barely go), scaled to equal ||r||^2 for an isotropic S_j; returned as the
+    eigenvectors U [L, H, H] of S_j and the weights [L, H] sqrt(c) / (eigenvalue + ridge): score = ||(r U) * weights||^2."""
+    H = hidden
+    vectors, scales = [], []
+    for j in range(layers):
+        d = -weights[:, j * H : (j + 1) * H].double()
+        d[j * H : (j + 1) * H] += torch.eye(H, dtype=d.dtype, device=d.device)
+        values, u = torch.linalg.eigh(d.T @ (gram @ d) / n)
+        values = values.clamp_min(0)
+        values = values + WHITEN_RIDGE * values.mean().clamp_min(1e-30)
+        inverse = values.pow(-WHITEN_POWER / 2)
+        vectors.append(u)
+        scales.append(inverse * (H / inverse.pow(2).sum()).sqrt())
+    return torch.stack(vectors).float(), torch.stack(scales).float()
+
+
+def noise_leak(weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram: torch.Tensor, layers: int,
+               hidden: int) -> torch.Tensor:
+    """[L, L]: the whitened share that isotropic noise of relative RMS 1 on layer j adds to layer k's test (1 on the
+    diagonal). Noise n (E||n||^2 = ||h_j||^2) on layer j adds -W_jk^T n to layer k's residual: a whitened share of
+    ||W_jk U_k diag(scales_k)||_F^2 / H x (mean ||h_j||^2 / mean ||h_k||^2)."""
+    H = hidden
+    energy = gram.diagonal()[: layers * H].reshape(layers, H).sum(1).float()
+    leak = torch.eye(layers)
+    for j in range(layers):
+        for k in range(layers):
+            if j != k:
+                block = weights[j * H : (j + 1) * H, k * H : (k + 1) * H].float() @ vectors[k] * scales[k]
+                leak[j, k] = float(block.pow(2).sum() / H * energy[j] / energy[k].clamp_min(1e-30))
+    return leak
