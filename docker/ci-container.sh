@@ -18,11 +18,17 @@ t=$(date +%s)
 EAGLE3_ENGINE_STATE=$(mktemp -d /tmp/eagle3-engine.XXXXXX)  # this run's pids: `down` stops only those
 export EAGLE3_ENGINE_STATE
 trap 'docker/engine.sh down' EXIT
-if docker/engine.sh up; then
+if docker/engine.sh up ${EAGLE3_CPU_BASE:+--no-registry}; then
     phase "engine and registry" "$t"
     t=$(date +%s)
+    # the CPU image's wheels (docker/wheelhouse.sh) are fetched while the base is bootstrapped:
+    # both wait mostly on their downloads, so side by side they take little more than the longer
+    docker/wheelhouse.sh >/dev/null &
+    wheels=$!
     base=${EAGLE3_CPU_BASE:-$(docker/base.sh | tail -1)}
     phase "base image $base" "$t"
+    wait "$wheels" || { echo "[ci-container] error: docker/wheelhouse.sh failed (above)" >&2; exit 1; }
+    phase "base image and wheelhouse" "$t"
     t=$(date +%s)
     params=$(mktemp /tmp/eagle3-ci-params.XXXXXX.yaml)
     "$PY" - "$base" "$params" <<'PY'
