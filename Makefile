@@ -44,11 +44,22 @@ plan: setup
 sweep: setup
 	$(PY) -m pipeline sweep
 
+# Two phases, one after the other (2 cores: side by side they would slow each other, and the
+# tests that time a refusal with them), each one's wall printed: pytest for everything but the
+# container tests (pyproject.toml deselects those), then the container phase (test-container).
+# The second runs even when the first failed, so one CI run reports both; either failing fails.
 test: setup
-	$(PY) -m pytest -q
+	@start=$$(date +%s); rc=0; \
+	$(PY) -m pytest -q || rc=$$?; \
+	echo "[test] pytest, all but the container tests: $$(( $$(date +%s) - start )) s (exit $$rc)" >&2; \
+	t=$$(date +%s); bash docker/ci-container.sh || rc=$$?; \
+	echo "[test] container phase: $$(( $$(date +%s) - t )) s" >&2; \
+	echo "[test] make test in all: $$(( $$(date +%s) - start )) s (exit $$rc)" >&2; \
+	exit $$rc
 
-# The container tests (tests/test_container.py): brings up a Docker engine and a loopback registry
-# where none answers, builds the base and the CPU image, runs them; not part of `make test` (yet)
+# Only the container tests (tests/test_container.py): brings up a Docker engine and a loopback
+# registry where none answers (stopping them at the end), builds the base and the CPU image
+# where they are not built, runs the tests; each phase's wall printed
 test-container: setup
 	bash docker/ci-container.sh
 

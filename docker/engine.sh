@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Brings up what the container path needs where it does not answer, and stops only what it started.
-#   docker/engine.sh up    a Docker engine (Debian's docker.io: installed if absent, dockerd started
+#   docker/engine.sh up [--no-registry]
+#                          a Docker engine (Debian's docker.io: installed if absent, dockerd started
 #                          in the background, no systemd needed) and a registry on 127.0.0.1:5000
-#                          (Debian's docker-registry) for the base image's digest (docker/base.sh)
+#                          (Debian's docker-registry) for the base image's digest (docker/base.sh);
+#                          --no-registry: the engine only (a base pinned elsewhere, EAGLE3_CPU_BASE)
 #   docker/engine.sh down  stops what `up` started (CI: a trap in .ci/run), nothing else
 # State (pids, logs, the registry's config) lives in $EAGLE3_ENGINE_STATE (default /run/eagle3-engine);
 # the registry's storage in /var/lib/eagle3-registry, so a base pushed once survives a restart.
@@ -44,7 +46,9 @@ up() {
         echo $! >"$STATE/dockerd.pid"
         wait_for dockerd 60 engine_answers || die "dockerd did not answer within 60 s: see $STATE/dockerd.log"
     fi
-    if registry_answers; then
+    if [ "${1:-}" = --no-registry ]; then
+        return 0
+    elif registry_answers; then
         say "a registry answers on $REGISTRY_ADDR: using it"
     else
         command -v docker-registry >/dev/null || apt_install docker-registry
@@ -80,7 +84,7 @@ stop() {  # stop <name>: the process `up` started, by its pid, and wait for it t
 down() { stop registry; stop dockerd; }
 
 case "${1:-}" in
-    up) up ;;
+    up) up "${2:-}" ;;
     down) down ;;
     *) echo "usage: $0 up|down" >&2; exit 2 ;;
 esac

@@ -11,10 +11,40 @@ import contextlib
 import os
 import secrets
 import shutil
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+
+
+def process_umask() -> int:
+    """The umask, read without setting it (os.umask sets it, racing every thread that creates files)."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def open_up_to_umask(top: Path) -> None:
+    """Give `top` and everything under it the read (and, for directories, search) bits the umask
+    allows, never a write bit: some writers create owner-only files whatever the umask (safetensors'
+    save_file, hence transformers' save_pretrained: 0600), and outputs are read by the group
+    (teammates, a container's uid). Files this uid does not own are left as they are."""
+    allowed = 0o555 & ~process_umask()
+    paths = [str(top)] if not os.path.isdir(top) else (
+        os.path.join(root, name) for root, _, files in os.walk(top) for name in [".", *files])
+    for p in paths:
+        with contextlib.suppress(OSError):
+            st = os.lstat(p)
+            if stat.S_ISLNK(st.st_mode):
+                continue
+            want = allowed if stat.S_ISDIR(st.st_mode) else allowed & 0o444
+            if st.st_mode & want != want:
+                os.chmod(p, stat.S_IMODE(st.st_mode) | want)
 
 
 def fsync_dir(path: Path) -> None:
@@ -45,6 +75,7 @@ def atomic_path(final: Path) -> Iterator[Path]:
     tmp = _create_temp(final, lambda p: os.close(os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)))
     try:
         yield tmp
+        open_up_to_umask(tmp)  # the writer may have replaced the file with an owner-only one
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         os.replace(tmp, final)

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launcher, layout
+from pipeline import launcher, layout, output_guard
 from pipeline.params import load_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.container]
@@ -179,7 +179,7 @@ def stage_starts(since: str) -> list[str]:
 
 def kill_extract_after_a_shard(root: Path, proc: subprocess.Popen) -> None:
     """`docker kill` the extract container as soon as one shard is complete in its work directory."""
-    work = root / launcher.partial_path(layout.HIDDEN_STATES_DIR)
+    work = root / output_guard.partial_path(layout.HIDDEN_STATES_DIR)
     deadline = time.monotonic() + 1200
     while time.monotonic() < deadline and proc.poll() is None:
         ids = subprocess.run(["docker", "ps", "-q", "--filter", f"label={launcher.STAGE_LABEL}=extract"],
@@ -215,9 +215,17 @@ def runs(cpu_base: str, cpu_image: str) -> dict:
     t0 = time.monotonic()
     killed = subprocess.Popen([str(BIN[0] / "python"), "-m", "dvc", "repro"], cwd=docker, env=env_for(docker), stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True, **caller())
-    kill_extract_after_a_shard(docker, killed)
-    killed_out, _ = killed.communicate(timeout=300)
-    after_kill = sorted(p.name for p in (docker / launcher.partial_path(layout.HIDDEN_STATES_DIR)).glob("shard-*.json"))
+    try:
+        kill_extract_after_a_shard(docker, killed)
+        killed_out, _ = killed.communicate(timeout=300)
+    finally:  # a failure here must not leave that dvc repro starting containers under the next tests
+        if killed.poll() is None:
+            killed.kill()
+            killed.communicate()
+            for cid in subprocess.run(["docker", "ps", "-q", "--filter", f"label={launcher.STAGE_LABEL}"],
+                                      capture_output=True, text=True).stdout.split():
+                subprocess.run(["docker", "kill", cid], capture_output=True)
+    after_kill = sorted(p.name for p in (docker / output_guard.partial_path(layout.HIDDEN_STATES_DIR)).glob("shard-*.json"))
     resumed = run(docker, ["python", "-m", "dvc", "repro"])
     docker_wall = time.monotonic() - t0
     return {"native": native, "docker": docker, "killed_rc": killed.returncode, "killed_out": killed_out,
@@ -256,7 +264,7 @@ def test_outputs_are_byte_identical_to_the_native_run_and_tau_is_the_same(runs):
 def test_outputs_belong_to_the_caller_and_are_group_readable(runs):
     root = runs["docker"]
     uid = UID if os.getuid() == 0 else os.getuid()
-    assert not (root / launcher.PARTIAL_DIR).exists()
+    assert not (root / output_guard.PARTIAL_DIR).exists()
     for top in ("artifacts", "metrics", "reports"):
         for p in [root / top, *(root / top).rglob("*")]:
             st = p.lstat()
