@@ -111,11 +111,18 @@ BIN: list[Path] = []  # caller_bin, set by the fixtures below before any project
 MADE: list[Path] = []  # directories made under /var/tmp, removed at the end
 
 
+# EAGLE3_KEEP_CONTAINER_PROJECTS=1 keeps the projects (native, docker, ...) for inspection: their paths are printed
+KEEP = os.environ.get("EAGLE3_KEEP_CONTAINER_PROJECTS") == "1"
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _remove_made_dirs():
     yield
     for top in MADE:
-        shutil.rmtree(top, ignore_errors=True)
+        if KEEP:
+            print(f"\nkept (EAGLE3_KEEP_CONTAINER_PROJECTS=1): {top}")
+        else:
+            shutil.rmtree(top, ignore_errors=True)
 
 
 def made_dir(prefix: str) -> Path:
