@@ -92,12 +92,14 @@ def atomic_write_text(final: Path, text: str) -> None:
 
 @contextlib.contextmanager
 def atomic_dir(final: Path) -> Iterator[Path]:
-    """Yield a temp directory beside `final`; on success replace `final` with it."""
+    """Yield a temp directory beside `final`; on success replace `final` with it, its files given
+    the read bits the umask allows (`open_up_to_umask`)."""
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _create_temp(final, lambda p: os.mkdir(p, 0o777))
     try:
         yield tmp
+        open_up_to_umask(tmp)  # save_pretrained (safetensors' save_file) writes owner-only files
         if final.exists():
             shutil.rmtree(final)
         os.replace(tmp, final)

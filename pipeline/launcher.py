@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline import layout
-from pipeline.atomic import open_up_to_umask
 from pipeline.errors import PipelineError
 from pipeline.output_guard import output_locks, prune_partials, resumable_outputs
 from pipeline.params import Params, RuntimeParams
@@ -210,8 +209,6 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
         with output_locks(stage, RESUMABLE.get(stage, ())), resumable_outputs(RESUMABLE.get(stage, ())):
             prune_partials([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
             run_native()
-        if layout.ARTIFACTS.is_dir():  # what owner-only writers (safetensors) left: group-readable
-            open_up_to_umask(layout.ARTIFACTS)
         return
     check_image(params, image)
     model_cache(params.runtime, host).mkdir(parents=True, exist_ok=True)  # else docker creates it as root

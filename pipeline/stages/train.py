@@ -26,7 +26,7 @@ from speculators.train.logger import setup_root_logger
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
 from pipeline import shards, speculators_cpu, torchrun
-from pipeline.atomic import atomic_write_text
+from pipeline.atomic import atomic_write_text, open_up_to_umask
 from pipeline.errors import PipelineError
 from pipeline.layout import (
     ARTIFACTS,
@@ -244,6 +244,8 @@ def run(params: TrainParams) -> None:
         if link.is_symlink():
             link.unlink()
     write_metrics(done)
+    # speculators saves the checkpoints with safetensors' save_file: owner-only (0600) whatever the umask
+    open_up_to_umask(DRAFT_DIR)
     final = DRAFT_DIR / str(done[-1])
     atomic_write_text(FINAL_POINTER, json.dumps({"epoch": done[-1], "path": str(final)}, indent=1) + "\n")
     log.info("train: final draft %s", final)
