@@ -40,7 +40,7 @@ import torch
 from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
 from pipeline.shards import read_header, read_manifest
-from pipeline.verify_whitening import noise_leak, residual_whitener
+from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
 
 _staging = threading.local()  # per scan thread: the page-locked buffer a GPU's judged rows go up from
 
@@ -177,45 +177,37 @@ class Coherence:
             self._slots.put(None)
 
     def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
-        # per (fold, half) the Gram matrix of the inputs, [(L + 1) H + 1]^2 in fp64 (3.4 GB each at the 8B shape): four
-        # are kept, a fold's sum exists only while it is solved, and only the first fold's diagonal outlives the fit
-        halves: dict[tuple[int, int], torch.Tensor] = {}
-        sizes: dict[tuple[int, int], int] = {}
-        for fold, sid, x in chunks:
-            x, key = x.double(), (fold, self.half(sid))
-            if key in halves:
-                halves[key].addmm_(x.T, x)
-            else:
-                halves[key] = x.T @ x
-            sizes[key] = sizes.get(key, 0) + x.shape[0]
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        # per fold the Gram matrix of its inputs, [(L + 1) H + 1]^2 in fp64 (3.4 GB at the 8B shape, 10 GB at hidden
+        # 7168): one at a time, solved in place; the first fold's diagonal is kept for the leak pattern
         fitted: list = [None, None]
-        counts, diagonals = [0, 0], [None, None]
+        counts, diagonal = [0, 0], None
+        sizes: dict[tuple[int, int], int] = {}  # rows per (fold, half)
         for fold in range(2):
-            parts = [key for key in halves if key[0] == fold]
-            if not parts:
-                continue
-            gram = halves[parts[0]].clone()
-            for key in parts[1:]:
-                gram += halves[key]
-            counts[fold] = sum(sizes[key] for key in parts)
-            diagonals[fold] = gram.diagonal().clone()
-            fitted[fold] = self._solve(gram, counts[fold])  # scales `gram` in place
-            del gram
+            gram = None
+            for f, sid, x in chunks:
+                if f == fold:
+                    x = x.double()
+                    gram = x.T @ x if gram is None else gram.addmm_(x.T, x)
+                    counts[fold] += x.shape[0]
+                    sizes[(fold, self.half(sid))] = sizes.get((fold, self.half(sid)), 0) + x.shape[0]
+            if gram is not None:
+                diagonal = gram.diagonal().clone() if diagonal is None else diagonal
+                fitted[fold] = self._solve(gram, counts[fold])  # scales `gram` in place
+                del gram
         if fitted[0] is None and fitted[1] is None:
             return None
         self.fit_tokens = sum(counts)
         # scored by the other fold's predictors; a fold with no data falls back to its own
         weights = [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
-        # the residual covariance under the map that scores a fold, from the Gram matrix of the fold's other half:
-        # out of fold for the map and out of sample for the covariance (a half with no data: any other that has)
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        self.whiteners = {}
-        for f in range(2):
-            for k in range(2):
-                key = next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in halves)
-                self.whiteners[(f, k)] = residual_whitener(weights[f], halves[key], sizes[key], L, H)
-        del halves
-        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], diagonals[0] if diagonals[0] is not None else diagonals[1], L, H)
+        # the residual covariance under the map that scores a fold, from the rows of the fold's other half: out of
+        # fold for the map and out of sample for the covariance (a half with no data: any other that has)
+        rows_of = {(f, k): next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in sizes)
+                   for f in range(2) for k in range(2)}
+        covariances = residual_covariances(chunks, weights, {(f, rows) for (f, _), rows in rows_of.items()}, self.half, L, H)
+        self.whiteners = {(f, k): residual_whitener(covariances[(f, rows_of[(f, k)])], sizes[rows_of[(f, k)]])
+                          for f, k in rows_of}
+        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], diagonal, L, H)
         return weights
 
     def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
