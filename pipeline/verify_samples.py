@@ -27,6 +27,8 @@ request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: wh
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import random
 import threading
 from dataclasses import dataclass
@@ -48,6 +50,9 @@ EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacen
 BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
+# scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
+# wait for that batch's work only, not for every thread's work queued on the one default stream
+SCORING_SLOTS = 4
 
 
 def load_embedding(path: Path, trust_remote_code: bool = False, device: str | None = None) -> torch.Tensor:
@@ -104,6 +109,8 @@ class Coherence:
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
         self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()  # CUDA streams (None on a CPU) for scoring threads
+        self._threads_ready = False
 
     def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
@@ -134,6 +141,7 @@ class Coherence:
         chunks = list(chunks)
         self.weights = self._fit_folds(chunks)
         if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
+            self._ready_for_threads()
             return
         L, H = len(self.layer_ids), self.embedding.shape[1]
         means = []
@@ -147,20 +155,52 @@ class Coherence:
         self.refit_excluded = [int(c[1]) for c, k in zip(chunks, keep.tolist(), strict=True) if not k]
         if self.refit_excluded:
             self.weights = self._fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k]) or self.weights
+        self._ready_for_threads()
+
+    def _ready_for_threads(self) -> None:
+        """Everything the scoring threads share is made here, on the fitting thread, before they start: the weights
+        and whiteners in the scoring dtype (made lazily on a slot's stream, another stream could read them before
+        they exist) and the slots' streams, which see what this thread's stream made only after a synchronize."""
+        if self._threads_ready:
+            return
+        self._threads_ready = True
+        if self.weights is not None:
+            for fold in range(2):
+                self._compute_weights(fold)
+                for half in range(2):
+                    self._compute_whitener(fold, half)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            for _ in range(SCORING_SLOTS):
+                self._slots.put(torch.cuda.Stream(self.device))
+        else:
+            self._slots.put(None)
 
     def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
-        halves: dict[tuple[int, int], torch.Tensor] = {}  # (fold, half) -> Gram matrix of the inputs
+        # per (fold, half) the Gram matrix of the inputs, [(L + 1) H + 1]^2 in fp64 (3.4 GB each at the 8B shape): four
+        # are kept, a fold's sum exists only while it is solved, and only the first fold's diagonal outlives the fit
+        halves: dict[tuple[int, int], torch.Tensor] = {}
         sizes: dict[tuple[int, int], int] = {}
         for fold, sid, x in chunks:
             x, key = x.double(), (fold, self.half(sid))
-            halves[key] = x.T @ x if key not in halves else halves[key] + x.T @ x
+            if key in halves:
+                halves[key].addmm_(x.T, x)
+            else:
+                halves[key] = x.T @ x
             sizes[key] = sizes.get(key, 0) + x.shape[0]
-        grams: list = [None, None]
-        counts = [0, 0]
-        for (fold, _), g in halves.items():
-            grams[fold] = g if grams[fold] is None else grams[fold] + g
-            counts[fold] += sizes[(fold, _)]
-        fitted = [self._solve(g, n) if g is not None else None for g, n in zip(grams, counts, strict=True)]
+        fitted: list = [None, None]
+        counts, diagonals = [0, 0], [None, None]
+        for fold in range(2):
+            parts = [key for key in halves if key[0] == fold]
+            if not parts:
+                continue
+            gram = halves[parts[0]].clone()
+            for key in parts[1:]:
+                gram += halves[key]
+            counts[fold] = sum(sizes[key] for key in parts)
+            diagonals[fold] = gram.diagonal().clone()
+            fitted[fold] = self._solve(gram, counts[fold])  # scales `gram` in place
+            del gram
         if fitted[0] is None and fitted[1] is None:
             return None
         self.fit_tokens = sum(counts)
@@ -174,7 +214,8 @@ class Coherence:
             for k in range(2):
                 key = next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in halves)
                 self.whiteners[(f, k)] = residual_whitener(weights[f], halves[key], sizes[key], L, H)
-        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], grams[0] if grams[0] is not None else grams[1], L, H)
+        del halves
+        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], diagonals[0] if diagonals[0] is not None else diagonals[1], L, H)
         return weights
 
     def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
@@ -183,7 +224,7 @@ class Coherence:
         # block RMS from the diagonal (the last column is the constant 1)
         rms = (gram.diagonal()[:-1].reshape(blocks, H).sum(1) / (n * H)).sqrt().clamp_min(1e-30)
         scale = torch.cat([rms.repeat_interleave(H), torch.ones(1, device=gram.device, dtype=gram.dtype)])
-        g = gram / scale[:, None] / scale[None, :] / n
+        g = gram.div_(scale[:, None]).div_(scale[None, :]).div_(n)  # in place: the caller's sum, no second copy
         weights = torch.zeros(blocks * H + 1, blocks * H, dtype=torch.float64, device=gram.device)
         every = torch.arange(blocks * H + 1, device=gram.device)
         for j in range(L + 1):  # j = L: the first captured layer from the embedding alone
@@ -193,9 +234,11 @@ class Coherence:
             else:
                 inputs = every[every >= L * H]
                 target = slice(0, H)
-            a = g[inputs][:, inputs].clone()
+            rows = g.index_select(0, inputs)
+            a, b = rows.index_select(1, inputs), rows[:, target].clone()
+            del rows  # ~(L / (L + 1)) of the Gram matrix: gone before the solve's own copy of `a`
             a.diagonal()[:-1] += RIDGE
-            w = torch.linalg.solve(a, g[inputs][:, target])
+            w = torch.linalg.solve(a, b)
             # back from the standardised space: w_raw = diag(1/scale_in) w scale_out
             weights[inputs, j * H : (j + 1) * H] = w / scale[inputs][:, None] * scale[target][None, :]
         return weights.float()
@@ -255,16 +298,23 @@ class Coherence:
                 scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
             else:
                 groups.setdefault((self.fold(sid), self.half(sid), dtype), []).append((sid, hidden, ids, positions))
-        for (fold, half, dtype), group in groups.items():
-            batch, rows = [], 0
-            for item in group:
-                batch.append(item)
-                rows += len(item[3])
-                if rows >= BATCH_ROWS:
-                    scored.update(self._score_batch(fold, half, dtype, batch))
-                    batch, rows = [], 0
-            if batch:
-                scored.update(self._score_batch(fold, half, dtype, batch))
+        if groups:
+            self._ready_for_threads()  # done by `fit`; here for predictors set by hand (one thread)
+            stream = self._slots.get()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for (fold, half, dtype), group in groups.items():
+                        batch, rows = [], 0
+                        for item in group:
+                            batch.append(item)
+                            rows += len(item[3])
+                            if rows >= BATCH_ROWS:
+                                scored.update(self._score_batch(fold, half, dtype, batch))
+                                batch, rows = [], 0
+                        if batch:
+                            scored.update(self._score_batch(fold, half, dtype, batch))
+            finally:
+                self._slots.put(stream)
         return [scored[sid] for sid, *_ in samples]
 
     def _gather(self, batch: list, n: int) -> torch.Tensor:
@@ -275,10 +325,10 @@ class Coherence:
         shape = (n, *first.shape[1:])
         if self.device.type != "cuda":
             return torch.from_numpy(np.concatenate([hidden[positions] for _, hidden, _, positions in batch]))
-        size = int(np.prod(shape))
+        size, dtype = int(np.prod(shape)), torch.from_numpy(first[:0]).dtype
         buffer = getattr(_staging, "rows", None)
-        if buffer is None or buffer.numel() < size or buffer.dtype != torch.from_numpy(first[:0]).dtype:
-            buffer = _staging.rows = torch.empty(size + size // 4, dtype=torch.from_numpy(first[:0]).dtype, pin_memory=True)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = _staging.rows = torch.empty(size + size // 4, dtype=dtype, pin_memory=True)
         rows = buffer[:size].view(shape)
         out, at = rows.numpy(), 0
         for _, hidden, _, positions in batch:

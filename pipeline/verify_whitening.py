@@ -31,13 +31,13 @@ def residual_whitener(weights: torch.Tensor, gram: torch.Tensor, n: int, layers:
     return torch.stack(vectors).float(), torch.stack(scales).float()
 
 
-def noise_leak(weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram: torch.Tensor, layers: int,
+def noise_leak(weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram_diagonal: torch.Tensor, layers: int,
                hidden: int) -> torch.Tensor:
     """[L, L]: the whitened share that isotropic noise of relative RMS 1 on layer j adds to layer k's test (1 on the
-    diagonal). Noise n (E||n||^2 = ||h_j||^2) on layer j adds -W_jk^T n to layer k's residual: a whitened share of
+    diagonal), from the fit's weights and the diagonal of its inputs' Gram matrix. Noise n (E||n||^2 = ||h_j||^2) on layer j adds -W_jk^T n to layer k's residual: a whitened share of
     ||W_jk U_k diag(scales_k)||_F^2 / H x (mean ||h_j||^2 / mean ||h_k||^2)."""
     H = hidden
-    energy = gram.diagonal()[: layers * H].reshape(layers, H).sum(1).float()
+    energy = gram_diagonal[: layers * H].reshape(layers, H).sum(1).float()
     leak = torch.eye(layers)
     for j in range(layers):
         for k in range(layers):
