@@ -36,10 +36,11 @@ def _run_verify(proj: Path, **params) -> tuple[str | None, float]:
 
 def fit_inputs(meta: dict) -> dict:
     """The per-sample tests' fit at this shape (pipeline/verify_samples.py, Coherence._fit_folds): inputs
-    (L + 1) H + 1 per row, one fp64 Gram matrix of them per fold and half plus the two fold sums."""
+    (L + 1) H + 1 per row, one fp64 Gram matrix of them per fold and half (four), a fold's sum while it is
+    solved, the fold's fp64 map."""
     layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
     inputs = (layers + 1) * hidden + 1
-    return {"inputs": inputs, "gram_bytes_fp64": inputs * inputs * 8, "grams_held": 6,
+    return {"inputs": inputs, "gram_bytes_fp64": inputs * inputs * 8, "grams_held": 4, "fold_sum_while_solved": 1,
             "map_bytes_fp64": inputs * (layers + 1) * hidden * 8}
 
 
