@@ -35,12 +35,13 @@ def _run_verify(proj: Path, **params) -> tuple[str | None, float]:
 
 
 def fit_inputs(meta: dict) -> dict:
-    """The per-sample tests' fit at this shape (pipeline/verify_samples.py, Coherence._fit_folds): inputs
-    (L + 1) H + 1 per row, one fp64 Gram matrix of them per fold and half (four), a fold's sum while it is
-    solved, the fold's fp64 map."""
+    """The per-sample tests' fit at this shape (pipeline/verify_samples.py, Coherence._fit_folds; since 50ca83e):
+    inputs (L + 1) H + 1 per row, one fp64 Gram matrix of them at a time (a fold's, solved in place), the fit's rows
+    (fp32), the fold's map, and per fold and half the whitened test's residual sums L H^2 in fp64."""
     layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
     inputs = (layers + 1) * hidden + 1
-    return {"inputs": inputs, "gram_bytes_fp64": inputs * inputs * 8, "grams_held": 4, "fold_sum_while_solved": 1,
+    return {"inputs": inputs, "gram_bytes_fp64": inputs * inputs * 8, "grams_held": 1,
+            "residual_sums_bytes_fp64": 4 * layers * hidden * hidden * 8,
             "map_bytes_fp64": inputs * (layers + 1) * hidden * 8}
 
 
