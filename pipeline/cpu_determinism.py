@@ -11,7 +11,8 @@ last bits (which 600 steps amplify into another target: docs/ARCHITECTURE.md "De
 - MKL's GEMM code path (every Linear's matmul in fp32: PyPI's x86 torch is built with MKL):
   chosen per CPU unless MKL_CBWR (Conditional Numerical Reproducibility) names a branch. MKL
   reads it when it initialises, on the first MKL call.
-- the intra-op thread count: how GEMMs and reductions are split (TRAINING_THREADS).
+- the intra-op thread count: how GEMMs and reductions are split (TRAINING_THREADS,
+  DRAFT_TRAINING_THREADS).
 
 Both variables are read once per process, so they are set by `pin_environment` in the stage entry
 (pipeline/cli.py) before the stage's module, and with it torch, is imported: natively, under
@@ -36,6 +37,12 @@ PINNED_CAPABILITY = "AVX2"
 # from more; and on an oversubscribed machine each extra thread waits at barriers for a
 # descheduled peer (3x slower with 2 threads than 1 on a busy 2-core machine).
 TRAINING_THREADS = 1
+# The draft's intra-op threads when speculators' trainer runs in one process on CPU (under torchrun
+# each rank keeps torchrun's OMP_NUM_THREADS=1). Its weights depend on the count too (measured), so a
+# constant; two, because its GEMMs (2,048-token batches through the fc, the decoder layer and the
+# vocabulary head) are large enough that a second thread halves an epoch even on a busy 2-core
+# machine (28-35 s against 58-61 s), and two is what the stage used on that machine before.
+DRAFT_TRAINING_THREADS = 2
 
 
 class PinTooLate(RuntimeError):

@@ -6,4 +6,5 @@ SECTION = {"check": None, "model": "model", "regenerate": "data", "prepare": "da
            "verify": "verify", "train": "train", "eval": "eval"}
 # stages that train on CPU with pipeline/cpu_determinism.py's pinned arithmetic (set by the entry,
 # pipeline/cli.py, before the stage imports torch), so another x86-64 machine trains the same weights
-CPU_PINNED = frozenset({"model"})
+# (train: from the same shards; on a GPU only its CPU-side ops are affected)
+CPU_PINNED = frozenset({"model", "train"})
