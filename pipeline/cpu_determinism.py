@@ -11,8 +11,7 @@ last bits (which 600 steps amplify into another target: docs/ARCHITECTURE.md "De
 - MKL's GEMM code path (every Linear's matmul in fp32: PyPI's x86 torch is built with MKL):
   chosen per CPU unless MKL_CBWR (Conditional Numerical Reproducibility) names a branch. MKL
   reads it when it initialises, on the first MKL call.
-- the intra-op thread count: how GEMMs and reductions are split (TRAINING_THREADS,
-  DRAFT_TRAINING_THREADS).
+- the intra-op thread count: how GEMMs and reductions are split (TRAINING_THREADS).
 
 Both variables are read once per process, so they are set by `pin_environment` in the stage entry
 (pipeline/cli.py) before the stage's module, and with it torch, is imported: natively, under
@@ -31,18 +30,14 @@ from collections.abc import MutableMapping
 PINNED_ENV = {"ATEN_CPU_CAPABILITY": "avx2", "MKL_CBWR": "AVX2"}
 # torch.backends.cpu.get_cpu_capability() once ATEN_CPU_CAPABILITY=avx2 is in force
 PINNED_CAPABILITY = "AVX2"
-# The embedded target's intra-op threads, on every machine. One, because: the result depends on the
-# count (measured: docs/BENCHMARKS.md "Determinism"), so it must be a constant; every machine has
-# one core to give; the target's GEMMs (hidden 128, 2048 rows a step) are too small to gain much
-# from more; and on an oversubscribed machine each extra thread waits at barriers for a
-# descheduled peer (3x slower with 2 threads than 1 on a busy 2-core machine).
+# Intra-op threads of the embedded target's training, and of the draft's when speculators' trainer
+# runs in one process on CPU (under torchrun each rank keeps torchrun's own OMP_NUM_THREADS=1), on
+# every machine. One, because: the weights of both depend on the count (measured: docs/BENCHMARKS.md
+# "Determinism"), so it must be a constant; every machine has one core to give; and on a shared
+# machine each extra thread waits at barriers for a descheduled peer: 40 target steps took 184 s
+# with 2 threads against 23-48 s with 1, and a draft epoch 219 s with 2 threads at load average 7
+# (28-35 s with 2 and 58-61 s with 1 at load 3-4: on a quiet machine two would be faster).
 TRAINING_THREADS = 1
-# The draft's intra-op threads when speculators' trainer runs in one process on CPU (under torchrun
-# each rank keeps torchrun's OMP_NUM_THREADS=1). Its weights depend on the count too (measured), so a
-# constant; two, because its GEMMs (2,048-token batches through the fc, the decoder layer and the
-# vocabulary head) are large enough that a second thread halves an epoch even on a busy 2-core
-# machine (28-35 s against 58-61 s), and two is what the stage used on that machine before.
-DRAFT_TRAINING_THREADS = 2
 
 
 class PinTooLate(RuntimeError):

@@ -142,7 +142,7 @@ def train(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int
 def train_here(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int) -> None:
     """The whole run in this process (one process: no torchrun)."""
     if speculators_cpu.needed():  # the draft's weights depend on the count: a constant, not the cores
-        torch.set_num_threads(cpu_determinism.DRAFT_TRAINING_THREADS)
+        torch.set_num_threads(cpu_determinism.TRAINING_THREADS)
     with collect_epoch_metrics(), speculators_cpu.cpu_training():
         train(cfg, params, d2t, t2d, draft_vocab_size)
 

@@ -118,6 +118,9 @@ def run_key(params: TrainParams, meta: dict, target: Target) -> dict:
         "target": target.fingerprint["sha256"],
         "token_freq": sha256_file(TOKEN_FREQ) if params.draft_vocab_size and TOKEN_FREQ.is_file() else None,
         "speculators": version("speculators"),
+        # on CPU the arithmetic decides the weights' bits: other pins never resume these checkpoints
+        "cpu_arithmetic": {**cpu_determinism.PINNED_ENV, "threads": cpu_determinism.TRAINING_THREADS}
+        if speculators_cpu.needed() else None,
     }
 
 
