@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
+from pipeline import verify_fit
 from pipeline import verify_samples as V
 from pipeline import verify_whitening as W
 from pipeline.params import VerifyParams
@@ -41,12 +42,12 @@ def main(root: Path, stride: int, victims_wanted: int) -> None:
     W.WHITEN_RIDGE = float(os.environ.get("WHITEN_RIDGE", W.WHITEN_RIDGE))  # to compare settings
     W.WHITEN_POWER = float(os.environ.get("WHITEN_POWER", W.WHITEN_POWER))
     target = json.loads((root / "artifacts/model/target.json").read_text())
-    embedding = V.load_embedding(Path(target["path"]), device="cpu")
+    embedding = verify_fit.load_embedding(Path(target["path"]), device="cpu")
     files = complete_shards(root / "artifacts/hidden_states")
     prepared = load_from_disk(str(root / "artifacts/prepared/dataset"))
     layer_ids = json.loads((root / "artifacts/hidden_states/extract_meta.json").read_text())["layer_ids"]
     params = VerifyParams(sample_stride=stride)
-    coherence = V.fit_coherence(files, layer_ids, embedding.shape[1], embedding, prepared, params)
+    coherence = verify_fit.fit_coherence(files, layer_ids, embedding.shape[1], embedding, prepared, params)
     L = len(layer_ids)
     shard_of = {sid: f.stem for f in files for sid in read_manifest(f)["sample_ids"]}
     samples = {sid: load_sample(f, sid) for f in files for sid in read_manifest(f)["sample_ids"]}

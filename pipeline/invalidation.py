@@ -120,6 +120,7 @@ RERUNS: dict[str, Rule] = {
     "eval.gpu_memory_utilization": tuning(_ENGINE),
     "eval.cpu_kvcache_gib": tuning(_ENGINE),
     "plan.calibration_samples": tuning("read by `python -m pipeline plan` only; no stage"),
+    "plan.write_gb_per_s": tuning("read by `python -m pipeline plan` only; no stage"),
     "runtime.image": reruns(*STAGES, why="the container's vLLM, torch and speculators run every stage"),
     "runtime.mode": tuning("native and docker run the same code on the same data (byte-identical shards, README)"),
     "runtime.recipe": tuning("gpu or cpu recipe for the container; a new base comes with a new runtime.image, "

@@ -214,6 +214,12 @@ class PlanParams(_Section):
     calibration_samples: int = Field(
         32, ge=1, description="Samples of the short extraction `plan` runs for tokens/s when no extraction ran on this machine yet."
     )
+    write_gb_per_s: float = Field(
+        1.0, gt=0, description="The host's shard-writing rate (vLLM's per-request files read, checked, written as shards, "
+        "hashed) in GB/s, for a plan at an engine rate (--tok-per-s): the time is the longer of compute and writes, plus "
+        "the last shard's write. 1.0: the H200 host's fresh-machine runs, 0.89-1.17 GB/s (docs/BENCHMARKS.md, 'The plan's "
+        "time model'); a warm host reached 1.32."
+    )
 
 
 class VerifyParams(_Section):

@@ -9,7 +9,9 @@
 - the **free space** on the output's filesystem, and whether the projection fits it with
   `extract.free_space_margin` (the extract stage refuses to start when it does not: `disk_need`);
 - the **wall time** at the tokens/s of the last extraction on this machine (metrics/extract.json),
-  else of a short calibration run of `plan.calibration_samples` samples (the real engine);
+  else of a short calibration run of `plan.calibration_samples` samples (the real engine); at an
+  engine rate given with `--tok-per-s`, the longer of the compute and the shard writes at
+  `plan.write_gb_per_s`, plus the last shard's write (pipeline/plan_time.py);
 - the **memory** the engine takes: weights (the checkpoint's size) + KV cache, on the GPU at
   `extract.gpu_memory_utilization` of each GPU's memory, on CPU weights + `extract.cpu_kvcache_gib`.
 
@@ -40,6 +42,7 @@ from pipeline.extraction.capacity import (
     measure_overhead,
 )
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, REPORTS
+from pipeline.plan_time import ExtractionTime, extraction_time, largest_shard
 from pipeline.reference_plan import ReferenceProjection, add_rows, project_reference
 
 CALIBRATION_FILE = METRICS / "plan_calibration.json"
@@ -55,6 +58,7 @@ class Throughput:
     tok_per_s: float
     startup_s: float | None
     source: str
+    includes_writes: bool = True  # measured until the last shard was written; False: an engine rate (--tok-per-s)
 
 
 def measured_throughput(layer_ids: list[int], dtype: str) -> Throughput | None:
@@ -192,6 +196,16 @@ class Plan:
     notes: list[str]
     todo_tokens: int  # tokens of the shards not extracted yet (all of them unless a run is resumed)
     reference: ReferenceProjection | None = None  # verify's reference forward at this scale
+    largest_shard_bytes: int = 0  # of the shards still to write: the drain after the last request
+    write_gb_per_s: float = 1.0  # plan.write_gb_per_s
+
+    @property
+    def time(self) -> ExtractionTime | None:
+        if not self.throughput:
+            return None
+        tp = self.throughput
+        return extraction_time(self.todo_tokens, tp.tok_per_s, tp.includes_writes, self.need.shard_bytes,
+                               self.largest_shard_bytes, self.write_gb_per_s, tp.startup_s)
 
     @property
     def seconds(self) -> float | None:
@@ -199,7 +213,7 @@ class Plan:
             return None
         if not self.todo_tokens:
             return 0.0  # the stage finds every shard done and starts no engine
-        return self.todo_tokens / self.throughput.tok_per_s + (self.throughput.startup_s or 0)
+        return self.time.seconds
 
     def to_json(self) -> dict:
         d = asdict(self)
@@ -207,6 +221,9 @@ class Plan:
         d["projection"]["bytes_per_token"] = self.projection.bytes_per_token
         d["need"].update(required=self.need.required, available=self.need.available, fits=self.need.fits)
         d["seconds"] = self.seconds
+        t = self.time
+        d["time"] = None if t is None else {"compute_s": t.compute_s, "write_s": t.write_s, "drain_s": t.drain_s,
+                                            "startup_s": t.startup_s, "write_bytes_per_s": t.write_bytes_per_s, "bound": t.bound}
         return d
 
 
@@ -286,10 +303,17 @@ def build_plan(params, *, tokens: float | None = None, samples: int | None = Non
         run_key = sha256_json(run_key_fields(target, dataset_hash(), ids, ext))
         kept, kept_bytes, reclaimed = existing_work(out, run_key)
     todo_tokens, todo_samples = tokens, samples
-    if kept:
+    if seq_lens is not None:  # the prepared dataset: each shard still to write, as the stage cuts them
         from pipeline.extraction.inputs import plan_shards
 
         sp = plan_shards(len(seq_lens), ext.samples_per_shard, ext.rank, ext.world_size)
+        todo_shards = [range(*sp.bounds(k)) for k in sp.shards if k not in kept]
+        shard_tokens = [int(seq_lens[r.start:r.stop].sum()) for r in todo_shards]
+        shard_samples = [len(r) for r in todo_shards]
+    else:  # --tokens: samples of the mean length, samples_per_shard to a shard
+        per_shard = min(samples, ext.samples_per_shard)
+        shard_tokens, shard_samples = [tokens * per_shard // max(samples, 1)], [per_shard]
+    if kept:
         done = [i for k in kept for i in range(*sp.bounds(k))]
         todo_tokens -= int(seq_lens[done].sum())
         todo_samples -= len(done)
@@ -300,7 +324,7 @@ def build_plan(params, *, tokens: float | None = None, samples: int | None = Non
     # wall time
     tp = None
     if tok_per_s:
-        tp = Throughput(tok_per_s, None, "--tok-per-s (given)")
+        tp = Throughput(tok_per_s, None, "--tok-per-s (given: the engine's rate; the plan adds the shard writes)", includes_writes=False)
     elif not hypothetical:
         tp = measured_throughput(ids, ext.dtype)
         if tp is None and do_calibrate is not False:
@@ -316,7 +340,8 @@ def build_plan(params, *, tokens: float | None = None, samples: int | None = Non
     if weights is None:
         mem.notes.append("weights unknown: pass --weights-gib (the checkpoint's size on disk)")
     reference = project_reference(cfg, params.verify, ext.dtype, params.data.seq_len, gpu_list)
-    return Plan(model, proj, ids, need, tp, mem, notes, todo_tokens, reference)
+    biggest = largest_shard(shard_tokens, shard_samples, proj.bytes_per_token, overhead.per_sample)
+    return Plan(model, proj, ids, need, tp, mem, notes, todo_tokens, reference, biggest, params.plan.write_gb_per_s)
 
 
 def render(plan: Plan) -> None:
@@ -341,9 +366,9 @@ def render(plan: Plan) -> None:
     t.add_row("[bold]fits", "[bold green]yes" if need.fits else "[bold red]NO", "" if need.fits else "the extract stage will refuse to start")
     if plan.throughput:
         t.add_row("throughput", f"{plan.throughput.tok_per_s:,.0f} tok/s", plan.throughput.source)
-        start = f" + {plan.throughput.startup_s:.0f} s engine start" if plan.throughput.startup_s else ""
         todo = "tokens" if plan.todo_tokens == p.tokens else f"{plan.todo_tokens:,} tokens still to extract"
-        t.add_row("[bold]wall time", f"[bold]{human_seconds(plan.seconds)}", f"{todo} / tok/s{start}")
+        how = plan.time.how(todo) if plan.todo_tokens else "every shard is already written"
+        t.add_row("[bold]wall time", f"[bold]{human_seconds(plan.seconds)}", how)
     else:
         t.add_row("wall time", "unknown", "")
     t.add_row("engine on", mem.device, "")

@@ -80,6 +80,12 @@ def seed_config(depth: int = 4, width: dict | None = None, layer_ids: list[int] 
     for key in ("hidden_size", "moe_intermediate_size"):  # the input sizes of the quantized expert Linears
         if int(cfg[key]) % group_size:
             raise SeedShapeError(f"seed.width.{key}: {cfg[key]} is not a multiple of the INT4 group size {group_size}")
+    from pipeline.params import EmbeddedModelParams
+
+    tokenizer_vocab = EmbeddedModelParams().vocab_size  # the widened tokenizer starts from it (at most that many tokens)
+    if int(cfg["vocab_size"]) < tokenizer_vocab:
+        raise SeedShapeError(f"seed.width.vocab_size: {cfg['vocab_size']} is below the embedded tokenizer's vocabulary "
+                             f"({tokenizer_vocab}), which the seed shape widens: set it to at least {tokenizer_vocab}")
     bad = [i for i in layer_ids or [] if not 0 <= i <= depth]
     if bad:
         raise SeedShapeError(f"extract.layer_ids: {bad} out of range for the seed shape at depth {depth}; "

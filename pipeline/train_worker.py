@@ -32,7 +32,7 @@ from speculators.train.distributed import get_rank, get_world_size, maybe_destro
 from speculators.train.logger import setup_root_logger
 from speculators.train.trainer import Trainer, TrainerConfig
 
-from pipeline import speculators_cpu
+from pipeline import cpu_determinism, speculators_cpu
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.layout import DRAFT_DIR, HIDDEN_STATES_DIR
@@ -141,6 +141,8 @@ def train(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int
 
 def train_here(cfg: TrainConfig, params: TrainParams, d2t, t2d, draft_vocab_size: int) -> None:
     """The whole run in this process (one process: no torchrun)."""
+    if speculators_cpu.needed():  # the draft's weights depend on the count: a constant, not the cores
+        torch.set_num_threads(cpu_determinism.TRAINING_THREADS)
     with collect_epoch_metrics(), speculators_cpu.cpu_training():
         train(cfg, params, d2t, t2d, draft_vocab_size)
 

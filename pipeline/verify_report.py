@@ -201,7 +201,8 @@ def render_sample_tests(t: dict | None) -> list[str]:
         "test's threshold (against the run's windows, and against the window's own sample's median in samples long "
         "enough: the last column) is that normal quantile with the location and scale of this run's own scores of that "
         "test at their 80th and 99th percentiles (fitted without the samples above z* in it), never below z*; each "
-        "sample's mean over all its positions is judged against the other samples' the same way. Separately, each sample's adjacent captured layers are tried exchanged: a sample "
+        "sample's mean over all its positions is judged the same way against the other samples scored by the same "
+        "predictors (the run's samples fall into two seeded folds, each scored by the map fitted on the other). Separately, each sample's adjacent captured layers are tried exchanged: a sample "
         "that fits 1.5x better with two layers swapped has them swapped. The *whitened* tests score the same residual "
         "weighed by the inverse of the clean residual's covariance (estimated on other samples of the run): noise or "
         "wrong values on a layer land in directions clean residuals rarely use, so they show there first.",

@@ -27,18 +27,17 @@ request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: wh
 
 from __future__ import annotations
 
+import contextlib
+import queue
 import random
 import threading
+import warnings
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
-from pipeline.reference import tensor_locations
-from pipeline.shard_view import ShardView
-from pipeline.shards import read_header, read_manifest
-from pipeline.verify_whitening import noise_leak, residual_whitener
+from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
 
 _staging = threading.local()  # per scan thread: the page-locked buffer a GPU's judged rows go up from
 
@@ -48,26 +47,9 @@ EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacen
 BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
-
-
-def load_embedding(path: Path, trust_remote_code: bool = False, device: str | None = None) -> torch.Tensor:
-    """The target's input embedding matrix [V, H] (as stored), read from the checkpoint by the
-    name the model's own input-embedding module has (built on the meta device)."""
-    from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    config = AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
-    weight = skeleton.get_input_embeddings().weight
-    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is weight]
-    locations = tensor_locations(path)
-    found = next((n for n in names if n in locations), None)
-    if found is None:
-        raise FileNotFoundError(f"{path}: the input embedding {names} is not in the checkpoint")
-    with safe_open(str(locations[found]), framework="pt", device=str(device)) as f:
-        return f.get_tensor(found)
+# scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
+# wait for that batch's work only, not for every thread's work queued on the one default stream
+SCORING_SLOTS = 4
 
 
 def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
@@ -104,6 +86,8 @@ class Coherence:
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
         self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()  # CUDA streams (None on a CPU) for scoring threads
+        self._threads_ready = False
 
     def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
@@ -134,6 +118,7 @@ class Coherence:
         chunks = list(chunks)
         self.weights = self._fit_folds(chunks)
         if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
+            self._ready_for_threads()
             return
         L, H = len(self.layer_ids), self.embedding.shape[1]
         means = []
@@ -147,34 +132,59 @@ class Coherence:
         self.refit_excluded = [int(c[1]) for c, k in zip(chunks, keep.tolist(), strict=True) if not k]
         if self.refit_excluded:
             self.weights = self._fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k]) or self.weights
+        self._ready_for_threads()
+
+    def _ready_for_threads(self) -> None:
+        """Everything the scoring threads share is made here, on the fitting thread, before they start: the weights
+        and whiteners in the scoring dtype (made lazily on a slot's stream, another stream could read them before
+        they exist) and the slots' streams, which see what this thread's stream made only after a synchronize."""
+        if self._threads_ready:
+            return
+        self._threads_ready = True
+        if self.weights is not None:
+            for fold in range(2):
+                self._compute_weights(fold)
+                for half in range(2):
+                    self._compute_whitener(fold, half)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            for _ in range(SCORING_SLOTS):
+                self._slots.put(torch.cuda.Stream(self.device))
+        else:
+            self._slots.put(None)
 
     def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
-        halves: dict[tuple[int, int], torch.Tensor] = {}  # (fold, half) -> Gram matrix of the inputs
-        sizes: dict[tuple[int, int], int] = {}
-        for fold, sid, x in chunks:
-            x, key = x.double(), (fold, self.half(sid))
-            halves[key] = x.T @ x if key not in halves else halves[key] + x.T @ x
-            sizes[key] = sizes.get(key, 0) + x.shape[0]
-        grams: list = [None, None]
-        counts = [0, 0]
-        for (fold, _), g in halves.items():
-            grams[fold] = g if grams[fold] is None else grams[fold] + g
-            counts[fold] += sizes[(fold, _)]
-        fitted = [self._solve(g, n) if g is not None else None for g, n in zip(grams, counts, strict=True)]
+        L, H = len(self.layer_ids), self.embedding.shape[1]
+        # per fold the Gram matrix of its inputs, [(L + 1) H + 1]^2 in fp64 (3.4 GB at the 8B shape, 10 GB at hidden
+        # 7168): one at a time, solved in place; the first fold's diagonal is kept for the leak pattern
+        fitted: list = [None, None]
+        counts, diagonal = [0, 0], None
+        sizes: dict[tuple[int, int], int] = {}  # rows per (fold, half)
+        for fold in range(2):
+            gram = None
+            for f, sid, x in chunks:
+                if f == fold:
+                    x = x.double()
+                    gram = x.T @ x if gram is None else gram.addmm_(x.T, x)
+                    counts[fold] += x.shape[0]
+                    sizes[(fold, self.half(sid))] = sizes.get((fold, self.half(sid)), 0) + x.shape[0]
+            if gram is not None:
+                diagonal = gram.diagonal().clone() if diagonal is None else diagonal
+                fitted[fold] = self._solve(gram, counts[fold])  # scales `gram` in place
+                del gram
         if fitted[0] is None and fitted[1] is None:
             return None
         self.fit_tokens = sum(counts)
         # scored by the other fold's predictors; a fold with no data falls back to its own
         weights = [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
-        # the residual covariance under the map that scores a fold, from the Gram matrix of the fold's other half:
-        # out of fold for the map and out of sample for the covariance (a half with no data: any other that has)
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        self.whiteners = {}
-        for f in range(2):
-            for k in range(2):
-                key = next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in halves)
-                self.whiteners[(f, k)] = residual_whitener(weights[f], halves[key], sizes[key], L, H)
-        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], grams[0] if grams[0] is not None else grams[1], L, H)
+        # the residual covariance under the map that scores a fold, from the rows of the fold's other half: out of
+        # fold for the map and out of sample for the covariance (a half with no data: any other that has)
+        rows_of = {(f, k): next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in sizes)
+                   for f in range(2) for k in range(2)}
+        covariances = residual_covariances(chunks, weights, {(f, rows) for (f, _), rows in rows_of.items()}, self.half, L, H)
+        self.whiteners = {(f, k): residual_whitener(covariances[(f, rows_of[(f, k)])], sizes[rows_of[(f, k)]])
+                          for f, k in rows_of}
+        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], diagonal, L, H)
         return weights
 
     def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
@@ -183,7 +193,7 @@ class Coherence:
         # block RMS from the diagonal (the last column is the constant 1)
         rms = (gram.diagonal()[:-1].reshape(blocks, H).sum(1) / (n * H)).sqrt().clamp_min(1e-30)
         scale = torch.cat([rms.repeat_interleave(H), torch.ones(1, device=gram.device, dtype=gram.dtype)])
-        g = gram / scale[:, None] / scale[None, :] / n
+        g = gram.div_(scale[:, None]).div_(scale[None, :]).div_(n)  # in place: the caller's sum, no second copy
         weights = torch.zeros(blocks * H + 1, blocks * H, dtype=torch.float64, device=gram.device)
         every = torch.arange(blocks * H + 1, device=gram.device)
         for j in range(L + 1):  # j = L: the first captured layer from the embedding alone
@@ -193,9 +203,11 @@ class Coherence:
             else:
                 inputs = every[every >= L * H]
                 target = slice(0, H)
-            a = g[inputs][:, inputs].clone()
+            rows = g.index_select(0, inputs)
+            a, b = rows.index_select(1, inputs), rows[:, target].clone()
+            del rows  # ~(L / (L + 1)) of the Gram matrix: gone before the solve's own copy of `a`
             a.diagonal()[:-1] += RIDGE
-            w = torch.linalg.solve(a, g[inputs][:, target])
+            w = torch.linalg.solve(a, b)
             # back from the standardised space: w_raw = diag(1/scale_in) w scale_out
             weights[inputs, j * H : (j + 1) * H] = w / scale[inputs][:, None] * scale[target][None, :]
         return weights.float()
@@ -255,35 +267,47 @@ class Coherence:
                 scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
             else:
                 groups.setdefault((self.fold(sid), self.half(sid), dtype), []).append((sid, hidden, ids, positions))
-        for (fold, half, dtype), group in groups.items():
-            batch, rows = [], 0
-            for item in group:
-                batch.append(item)
-                rows += len(item[3])
-                if rows >= BATCH_ROWS:
-                    scored.update(self._score_batch(fold, half, dtype, batch))
-                    batch, rows = [], 0
-            if batch:
-                scored.update(self._score_batch(fold, half, dtype, batch))
+        if groups:
+            self._ready_for_threads()  # done by `fit`; here for predictors set by hand (one thread)
+            stream = self._slots.get()
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    for (fold, half, dtype), group in groups.items():
+                        batch, rows = [], 0
+                        for item in group:
+                            batch.append(item)
+                            rows += len(item[3])
+                            if rows >= BATCH_ROWS:
+                                scored.update(self._score_batch(fold, half, dtype, batch))
+                                batch, rows = [], 0
+                        if batch:
+                            scored.update(self._score_batch(fold, half, dtype, batch))
+            finally:
+                self._slots.put(stream)
         return [scored[sid] for sid, *_ in samples]
 
     def _gather(self, batch: list, n: int) -> torch.Tensor:
         """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps; for a GPU into
         this thread's page-locked staging buffer (reused: the batch's host copy at the end waits for the
-        upload), so the upload runs at the bus's speed rather than through the driver's pageable bounce."""
+        upload), so the upload runs at the bus's speed rather than through the driver's pageable bounce.
+        torch.index_select copies each row once and without the GIL (np.take with `out` copies through a
+        buffer of its own: 4-7x slower on 32 KB rows, and 16 scan threads wait for each other's copies)."""
         first = batch[0][1]
-        shape = (n, *first.shape[1:])
+        shape, dtype = (n, *first.shape[1:]), torch.from_numpy(np.empty(0, first.dtype)).dtype
         if self.device.type != "cuda":
-            return torch.from_numpy(np.concatenate([hidden[positions] for _, hidden, _, positions in batch]))
-        size = int(np.prod(shape))
-        buffer = getattr(_staging, "rows", None)
-        if buffer is None or buffer.numel() < size or buffer.dtype != torch.from_numpy(first[:0]).dtype:
-            buffer = _staging.rows = torch.empty(size + size // 4, dtype=torch.from_numpy(first[:0]).dtype, pin_memory=True)
-        rows = buffer[:size].view(shape)
-        out, at = rows.numpy(), 0
-        for _, hidden, _, positions in batch:
-            np.take(hidden, positions, axis=0, out=out[at : at + len(positions)])
-            at += len(positions)
+            rows = torch.empty(shape, dtype=dtype)
+        else:
+            size = int(np.prod(shape))
+            buffer = getattr(_staging, "rows", None)
+            if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+                buffer = _staging.rows = torch.empty(size + size // 4, dtype=dtype, pin_memory=True)
+            rows = buffer[:size].view(shape)
+        at = 0
+        with warnings.catch_warnings():  # the memory map is read-only; nothing writes through the tensor view
+            warnings.simplefilter("ignore", UserWarning)
+            for _, hidden, _, positions in batch:
+                torch.index_select(torch.from_numpy(hidden), 0, torch.from_numpy(positions), out=rows[at : at + len(positions)])
+                at += len(positions)
         return rows
 
     def _score_batch(self, fold: int, half: int, dtype: str, batch: list) -> dict[int, SampleScores]:
@@ -361,43 +385,3 @@ def tests_per_position(layers: int) -> int:
     """Scores per judged position: contrast ratios (layers, token, all layers), raw residual shares (layers, all
     layers), whitened residual shares (layers)."""
     return 3 * layers + 3
-
-
-def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:
-    """Fit the predictors on up to `coherence_fit_tokens` sampled rows of seeded samples (samples of
-    the wrong shape are left to the structure check)."""
-    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed)
-    want = (len(prepared), len(layer_ids), hidden_size)
-    order = sorted(files)
-    random.Random(params.seed).shuffle(order)
-
-    def chunks():
-        taken = 0
-        for path in order:
-            try:
-                manifest = read_manifest(path)
-                header, start = read_header(path)
-            except (OSError, ValueError, KeyError):
-                continue
-            view = ShardView(np.memmap(path, dtype=np.uint8, mode="r"), header, start)
-            for sid in manifest.get("sample_ids", []):
-                entry = header.get(f"{sid}/hidden_states")
-                ids_entry = header.get(f"{sid}/input_ids")
-                if entry is None or ids_entry is None or not 0 <= sid < want[0] or len(entry["shape"]) != 3 \
-                        or tuple(entry["shape"][1:]) != want[1:] or entry["shape"][0] != ids_entry["shape"][0]:
-                    continue
-                positions = np.arange(1, entry["shape"][0])  # every position but the first: more rows per sample read
-                if not len(positions):
-                    continue
-                ids = view.tensor(f"{sid}/input_ids")
-                rows = view.numpy(f"{sid}/hidden_states")[positions]
-                _, x = coherence.inputs(rows, entry["dtype"], ids[torch.from_numpy(positions)].clamp(0, len(embedding) - 1))
-                if not torch.isfinite(x).all():
-                    continue  # left to the values check
-                yield coherence.fold(sid), sid, x
-                taken += len(positions)
-                if taken >= params.coherence_fit_tokens:
-                    return
-
-    coherence.fit(chunks())
-    return coherence

@@ -11,18 +11,37 @@ WHITEN_RIDGE = 1e-2
 WHITEN_POWER = 2  # score r^T S^-power r: 2 = the score test for added isotropic noise, 1 = Mahalanobis
 
 
-def residual_whitener(weights: torch.Tensor, gram: torch.Tensor, n: int, layers: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per captured layer j, the clean residual r = h_j - predict(...) has covariance S_j = D_j^T G D_j / n (D_j: the
-    selection of h_j minus the map's columns of j, G: the Gram matrix [(L+1)H+1]^2 of n input rows). The whitened test
-    scores ||S_j^-1 r||^2 (the score test for added isotropic noise: it weighs each direction by 1 / variance^2, so
-    noise counts most where clean residuals barely go), scaled to equal ||r||^2 for an isotropic S_j; returned as the
-    eigenvectors U [L, H, H] of S_j and the weights [L, H] sqrt(c) / (eigenvalue + ridge): score = ||(r U) * weights||^2."""
-    H = hidden
+def residual_covariances(chunks, weights: list[torch.Tensor], wanted: set, half_of, layers: int, hidden: int) -> dict:
+    """Per wanted (map fold f, rows (fold, half)): each captured layer's clean residual r = h_j - predict(...) under
+    fold f's map, summed as r^T r over those rows, [L, H, H] in fp64. A second pass over the fit's rows: summing the
+    residuals themselves needs L H^2 per entry where the Gram matrix of each half's inputs needs ((L + 1) H)^2 (at the
+    8B shape 0.5 GB against 3.4 GB, four of them)."""
+    L, H = layers, hidden
+    sums: dict = {}
+    for f in sorted({m for m, _ in wanted}):
+        w = weights[f][:, : L * H].double()
+        for fold, sid, x in chunks:
+            key = (fold, half_of(sid))
+            if (f, key) not in wanted:
+                continue
+            x = x.double()
+            r = (x[:, : L * H] - x @ w).reshape(-1, L, H).transpose(0, 1)  # [L, n, H]
+            part = torch.bmm(r.transpose(1, 2), r)
+            sums[(f, key)] = part if (f, key) not in sums else sums[(f, key)].add_(part)
+        del w
+    return sums
+
+
+def residual_whitener(covariance_sum: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per captured layer j, from the sum of r r^T over n clean rows [L, H, H] (residual_covariances), the covariance
+    S_j. The whitened test scores ||S_j^-1 r||^2 (the score test for added isotropic noise: it weighs each direction by
+    1 / variance^2, so noise counts most where clean residuals barely go), scaled to equal ||r||^2 for an isotropic
+    S_j; returned as the eigenvectors U [L, H, H] of S_j and the weights [L, H] sqrt(c) / (eigenvalue + ridge):
+    score = ||(r U) * weights||^2."""
+    H = covariance_sum.shape[-1]
     vectors, scales = [], []
-    for j in range(layers):
-        d = -weights[:, j * H : (j + 1) * H].double()
-        d[j * H : (j + 1) * H] += torch.eye(H, dtype=d.dtype, device=d.device)
-        values, u = torch.linalg.eigh(d.T @ (gram @ d) / n)
+    for j in range(covariance_sum.shape[0]):
+        values, u = torch.linalg.eigh(covariance_sum[j] / n)
         values = values.clamp_min(0)
         values = values + WHITEN_RIDGE * values.mean().clamp_min(1e-30)
         inverse = values.pow(-WHITEN_POWER / 2)
@@ -31,13 +50,13 @@ def residual_whitener(weights: torch.Tensor, gram: torch.Tensor, n: int, layers:
     return torch.stack(vectors).float(), torch.stack(scales).float()
 
 
-def noise_leak(weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram: torch.Tensor, layers: int,
+def noise_leak(weights: torch.Tensor, vectors: torch.Tensor, scales: torch.Tensor, gram_diagonal: torch.Tensor, layers: int,
                hidden: int) -> torch.Tensor:
     """[L, L]: the whitened share that isotropic noise of relative RMS 1 on layer j adds to layer k's test (1 on the
-    diagonal). Noise n (E||n||^2 = ||h_j||^2) on layer j adds -W_jk^T n to layer k's residual: a whitened share of
+    diagonal), from the fit's weights and the diagonal of its inputs' Gram matrix. Noise n (E||n||^2 = ||h_j||^2) on layer j adds -W_jk^T n to layer k's residual: a whitened share of
     ||W_jk U_k diag(scales_k)||_F^2 / H x (mean ||h_j||^2 / mean ||h_k||^2)."""
     H = hidden
-    energy = gram.diagonal()[: layers * H].reshape(layers, H).sum(1).float()
+    energy = gram_diagonal[: layers * H].reshape(layers, H).sum(1).float()
     leak = torch.eye(layers)
     for j in range(layers):
         for k in range(layers):

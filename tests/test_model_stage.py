@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,42 @@ def test_embedded_deepseek_v3_builds_with_the_keys_vllm_needs(tmp_path, monkeypa
     assert m["architecture"] == "deepseek_v3" and m["steps"] == 3
     lm = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
     assert type(lm).__name__ == "DeepseekV3ForCausalLM" and load_target().num_layers == 4
+
+
+def test_the_stage_trains_with_the_pinned_cpu_arithmetic_whatever_the_caller_set(tmp_path):
+    """`python -m pipeline run model` as DVC runs it: ATEN_CPU_CAPABILITY / MKL_CBWR from the caller (or
+    the machine's own choice) and the core count do not reach the training; the pins and the constant
+    thread count do, and metrics/model.json says so (pipeline/cpu_determinism.py)."""
+    import os
+    import subprocess
+    import sys
+
+    import yaml
+
+    from pipeline import cpu_determinism
+
+    root = Path(__file__).resolve().parents[1]
+    tiny = {"num_layers": 4, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
+            "vocab_size": 300, "train_steps": 3, "train_batch_size": 2, "train_seq_len": 32}
+    (tmp_path / "params.yaml").write_text(yaml.safe_dump({"model": {"embedded": tiny}}))
+    env = {**os.environ, "PYTHONPATH": str(root), "ATEN_CPU_CAPABILITY": "default", "MKL_CBWR": "COMPATIBLE",
+           "OMP_NUM_THREADS": "2"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "run", "model"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ATEN_CPU_CAPABILITY=default overridden by avx2" in proc.stderr
+    assert "MKL_CBWR=COMPATIBLE overridden by AVX2" in proc.stderr
+    m = json.loads((tmp_path / "metrics" / "model.json").read_text())
+    assert m["threads"] == cpu_determinism.TRAINING_THREADS == 1
+    arithmetic = m["cpu_arithmetic"]
+    assert arithmetic["pinned"] is True and arithmetic["cpu_capability"] == "AVX2"
+    assert {k: arithmetic[k] for k in cpu_determinism.PINNED_ENV} == cpu_determinism.PINNED_ENV
+
+
+def test_pins_set_after_torch_is_imported_are_refused():
+    """ATen and MKL read their variables once: a pin set after torch is loaded would silently not apply."""
+    from pipeline import cpu_determinism
+
+    assert "torch" in sys.modules
+    with pytest.raises(cpu_determinism.PinTooLate, match="set them before the stage's module is imported"):
+        cpu_determinism.pin_environment({})

@@ -7,6 +7,9 @@ weight is made."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +25,7 @@ from pipeline.streamed_reference import Checkpoint, choose_reference, stream_ref
 from pipeline.target import check_model_dir, fingerprint_model_dir
 from tests.test_streamed_reference import SEQUENCES, assert_equal_references, rel_rms
 
+ROOT = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "n_routed_experts": 8,
         "num_experts_per_tok": 2, "num_attention_heads": 2, "q_lora_rank": 32, "kv_lora_rank": 256,
         "qk_rope_head_dim": 64, "qk_nope_head_dim": 32, "v_head_dim": 32, "vocab_size": 1100,
@@ -127,6 +131,7 @@ def test_streamed_reference_reads_it_and_equals_the_dequantized_model(written, t
     ({"depth": 4, "width": {"n_routed_experts": 0}}, "seed.width.n_routed_experts"),
     ({"depth": 4, "width": {"moe_intermediate_size": 40}}, "seed.width.moe_intermediate_size"),
     ({"depth": 4, "width": {"num_hidden_layers": 8}}, "seed.width"),
+    ({"depth": 4, "width": {"vocab_size": 500}}, "seed.width.vocab_size"),
 ])
 def test_bad_input_is_refused_naming_the_param(kw: dict, param: str, tmp_path: Path):
     with pytest.raises(PipelineError) as err:
@@ -155,3 +160,21 @@ def test_reference_budget_below_the_smallest_unit_is_refused_at_full_width():
     plan = check_reference_budget(cfg, 16.0, 2048)  # the bench's budget, below the 4-layer model's size
     assert smallest < 16.0 and plan.peak_bytes <= 16 * GIB
     assert 1 <= max(plan.experts_per_chunk) < 384  # the experts go in chunks
+
+
+@pytest.mark.parametrize(("args", "param", "hint"), [
+    (["--seed-depth", "1"], "seed.depth", "at least 2"),
+    (["--seed-depth", "3"], "extract.layer_ids", "[4] out of range"),  # the job's layers [2, 3, 4] at depth 3
+    (["--seed-reference-gib", "1e-5"], "verify.reference_memory_gib", "set it to at least"),
+])
+def test_bench_seed_job_refuses_bad_params_before_any_step(args: list[str], param: str, hint: str, tmp_path: Path):
+    """The GPU bench's seed job (bench/gpu_extract_bench.py, the real process, smoke width): a depth, layer id or
+    reference budget the shape cannot hold stops it before its first step (no child, no model built)."""
+    out, work = tmp_path / "out", tmp_path / "work"
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_extract_bench.py"), "--smoke", "--jobs", "seed",
+                           "--out", str(out), "--work", str(work), *args],
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0, proc.stdout + proc.stderr
+    assert f"error: {param}:" in proc.stderr and hint in proc.stderr, proc.stderr
+    results = json.loads((out / "results.json").read_text())
+    assert results["jobs"] == {} and not (work / "models").exists() and "START" not in proc.stdout

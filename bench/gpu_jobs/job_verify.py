@@ -34,28 +34,43 @@ def _run_verify(proj: Path, **params) -> tuple[str | None, float]:
     return None, time.monotonic() - t
 
 
+def fit_inputs(meta: dict) -> dict:
+    """The per-sample tests' fit at this shape (pipeline/verify_samples.py, Coherence._fit_folds; since 50ca83e):
+    inputs (L + 1) H + 1 per row, one fp64 Gram matrix of them at a time (a fold's, solved in place), the fit's rows
+    (fp32), the fold's map, and per fold and half the whitened test's residual sums L H^2 in fp64."""
+    layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
+    inputs = (layers + 1) * hidden + 1
+    return {"inputs": inputs, "gram_bytes_fp64": inputs * inputs * 8, "grams_held": 1,
+            "residual_sums_bytes_fp64": 4 * layers * hidden * hidden * 8,
+            "map_bytes_fp64": inputs * (layers + 1) * hidden * 8}
+
+
 def job_verify(state: dict, name: str) -> dict:
-    """The project's verify stage on the first two shards (both prompt lengths), on the GPU."""
+    """The project's verify stage on the first two shards (both prompt lengths), or on all of them where the
+    workload says so (`verify_all`: the seed), on the GPU."""
     import datasets
     import torch
 
-    from pipeline import layout, reference, shards
+    from gpu_jobs.gpu_peaks import Peaks
+    from pipeline import layout, reference, shards, verify_shards
     from pipeline.stages import verify
 
     src = Path(state[f"project_{name}"])
     spec = state[f"spec_{name}"]
-    n = 2 * spec["samples_per_shard"]
+    full = datasets.load_from_disk(str(src / layout.PREPARED_DATASET))
+    hs_src = src / layout.HIDDEN_STATES_DIR
+    n_shards = len(list(hs_src.glob("shard-*.safetensors"))) if spec.get("verify_all") else 2
+    n = min(len(full), n_shards * spec["samples_per_shard"])
     proj = Path(state["work"]) / f"verify-{name}"
     shutil.rmtree(proj, ignore_errors=True)
     (proj / layout.TARGET_JSON).parent.mkdir(parents=True)
     shutil.copy2(src / layout.TARGET_JSON, proj / layout.TARGET_JSON)
     (proj / layout.METRICS).mkdir(parents=True)
     shutil.copy2(src / layout.METRICS / "extract.json", proj / layout.METRICS / "extract.json")
-    full = datasets.load_from_disk(str(src / layout.PREPARED_DATASET))
     full.select(range(n)).save_to_disk(str(proj / layout.PREPARED_DATASET))
-    hs_src, hs_dst = src / layout.HIDDEN_STATES_DIR, proj / layout.HIDDEN_STATES_DIR
+    hs_dst = proj / layout.HIDDEN_STATES_DIR
     hs_dst.mkdir(parents=True)
-    for k in range(2):
+    for k in range(n_shards):
         for p in (hs_src / shards.shard_name(k), shards.manifest_path(hs_src / shards.shard_name(k))):
             os.link(p, hs_dst / p.name)
     shutil.copy2(hs_src / shards.META_FILE, hs_dst / shards.META_FILE)
@@ -91,12 +106,16 @@ def job_verify(state: dict, name: str) -> dict:
         return r
 
     verify.check_structure_and_values = struct
-    # the seed (issue 28): the streamed reference under a budget below the model's size, its GPU peak measured
+    # the seed (issue 28): the streamed reference under a budget below the model's size; GPU peaks of the
+    # reference alone, of the per-sample tests' fit and of the shard scan, and of the whole process
     budget = {"reference_memory_gib": state[f"reference_gib_{name}"]} if state.get(f"reference_gib_{name}") else {}
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
+    peaks = Peaks()
+    peaks.wrap(verify, "stream_references", "reference")
+    peaks.wrap(verify_shards, "fit_coherence", "per_sample_fit")
+    peaks.wrap(verify_shards, "scan_shards", "scan")
     failed, verify_s = _run_verify(proj, **budget)
-    peak = int(torch.cuda.max_memory_allocated()) if torch.cuda.is_available() else None
+    peak = peaks.process_peak()
+    log(f"verify {name}: GPU peaks {json.dumps(peaks.parts)}, process {peak}")
     metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
     report_md = (proj / "reports/verify/report.md").read_text()
     findings = json.loads((proj / "reports/verify/findings.json").read_text())
@@ -131,9 +150,14 @@ def job_verify(state: dict, name: str) -> dict:
         **timings,
         **cal,
         "gpu_peak_bytes": peak,
+        "gpu_peaks": peaks.parts,
+        "per_sample_fit_inputs": fit_inputs(shards.read_meta(hs_dst)),
+        "subset_shards": n_shards,
         "reference_budget_bytes": int(budget["reference_memory_gib"] * 2**30) if budget else None,
         "metrics_summary": {k: metrics.get(k) for k in ("reference", "reference_choice", "reference_load", "reference_load_seconds",
-                                                        "reference_check_seconds", "verify_seconds", "verify_over_extract_time")},
+                                                        "reference_check_seconds", "verify_seconds", "verify_over_extract_time",
+                                                        "coherence_fit_seconds", "scan_seconds", "embedding_load_seconds",
+                                                        "num_shards", "num_tokens", "total_bytes")},
         "layers": metrics.get("layers"),
         "argmax_agreement": metrics.get("argmax_agreement"),
         "checks": metrics.get("checks"),

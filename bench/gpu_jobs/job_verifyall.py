@@ -26,6 +26,8 @@ if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read i
     VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
 for stride in filter(None, os.environ.get("VERIFY_SAMPLE_STRIDES", "").split(",")):  # the per-sample tests' cost per judged byte
     VERIFY_MODES[f"sample_stride_{stride}"] = {"sample_stride": int(stride)}
+for workers in filter(None, os.environ.get("VERIFY_WORKERS", "").split(",")):  # how the scan scales with its threads
+    VERIFY_MODES[f"workers_{workers}"] = {"workers": int(workers)}
 if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
     VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 
@@ -93,6 +95,30 @@ def head_microbench(ref) -> dict:
     return out
 
 
+def watch_fit_memory(timings: dict) -> None:
+    """The coherence fit's GPU memory (its Gram matrices), into `timings`: allocated before it, its peak above that,
+    and what it leaves allocated (the references may load beside it: their growth is in the peak too)."""
+    import torch
+
+    from pipeline import verify_shards
+
+    if not torch.cuda.is_available() or getattr(verify_shards.fit_coherence, "watched", False):
+        return
+    orig = verify_shards.fit_coherence
+
+    def fit(*a, **kw):
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        r = orig(*a, **kw)
+        timings["fit_before_gib"] = round(before / 2**30, 2)
+        timings["fit_peak_above_gib"] = round((torch.cuda.max_memory_allocated() - before) / 2**30, 2)
+        timings["fit_left_gib"] = round((torch.cuda.memory_allocated() - before) / 2**30, 2)
+        return r
+
+    fit.watched = True
+    verify_shards.fit_coherence = fit
+
+
 def job_verify_all(state: dict, name: str) -> dict:
     """The verify stage on every shard of the stage's extraction, in a fresh interpreter and then
     in each of VERIFY_MODES, timed against that extraction (issue 4's budget: verify <= 5% of
@@ -102,6 +128,7 @@ def job_verify_all(state: dict, name: str) -> dict:
 
     proj = Path(state[f"project_{name}"])
     timings: dict = {}
+    watch_fit_memory(timings)
     for fn in ("check_structure_and_values", "check_reference", "write_outputs"):
         orig = getattr(verify, fn)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
+from pipeline import cpu_determinism
 from pipeline.embedded.tokenizer import save_tokenizer
 from pipeline.params import EmbeddedModelParams
 from pipeline.progress import progress
@@ -62,18 +62,10 @@ def lr_at(step: int, steps: int, lr: float) -> float:
     return lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def training_threads() -> int:
-    """All cores this process may use: a fixed count per machine, so a rebuild is bit-identical.
-
-    (With the cores oversubscribed by other work, each extra intra-op thread waits at barriers
-    for a descheduled peer; measured 3x slower with 2 threads than 1 on a busy 2-core machine.)
-    """
-    return len(os.sched_getaffinity(0))
-
-
 def train(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, starts: torch.Tensor,
-          p: EmbeddedModelParams) -> list[float]:
-    torch.set_num_threads(training_threads())
+          p: EmbeddedModelParams, threads: int = cpu_determinism.TRAINING_THREADS) -> list[float]:
+    # a constant on every machine, not the cores: the weights depend on it (pipeline/cpu_determinism.py)
+    torch.set_num_threads(threads)
     T = p.train_seq_len
     # wrap around so a window may start at any conversation
     ids, mask = torch.cat([ids, ids[: T + 1]]), torch.cat([mask, mask[: T + 1]])
@@ -136,4 +128,6 @@ def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: l
         "loss_curve": {str(s): round(losses[s], 4) for s in range(0, len(losses), max(1, len(losses) // 20))},
         "train_seconds": round(train_s, 1),
         "threads": torch.get_num_threads(),
+        # the CPU arithmetic it trained with: the same on every x86-64 machine when "pinned"
+        "cpu_arithmetic": cpu_determinism.in_force(),
     }

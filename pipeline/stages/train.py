@@ -25,7 +25,7 @@ from speculators.train.config import TrainConfig
 from speculators.train.logger import setup_root_logger
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from pipeline import shards, speculators_cpu, torchrun
+from pipeline import cpu_determinism, shards, speculators_cpu, torchrun
 from pipeline.atomic import atomic_write_text, open_up_to_umask
 from pipeline.errors import PipelineError
 from pipeline.layout import (
@@ -118,6 +118,9 @@ def run_key(params: TrainParams, meta: dict, target: Target) -> dict:
         "target": target.fingerprint["sha256"],
         "token_freq": sha256_file(TOKEN_FREQ) if params.draft_vocab_size and TOKEN_FREQ.is_file() else None,
         "speculators": version("speculators"),
+        # on CPU the arithmetic decides the weights' bits: other pins never resume these checkpoints
+        "cpu_arithmetic": {**cpu_determinism.PINNED_ENV, "threads": cpu_determinism.TRAINING_THREADS}
+        if speculators_cpu.needed() else None,
     }
 
 
@@ -174,7 +177,8 @@ def speculators_config(params: TrainParams, target: Target, aux_ids: list[int], 
 def write_metrics(epochs: list[int]) -> None:
     rows = [json.loads((DRAFT_DIR / str(e) / EPOCH_METRICS).read_text()) for e in epochs]
     last = rows[-1]
-    summary = {**last, "epochs_trained": len(rows), "mean_epoch_seconds": round(sum(r["seconds"] for r in rows) / len(rows), 2)}
+    summary = {**last, "epochs_trained": len(rows), "mean_epoch_seconds": round(sum(r["seconds"] for r in rows) / len(rows), 2),
+               "cpu_arithmetic": cpu_determinism.in_force()}
     atomic_write_text(TRAIN_METRICS, json.dumps(summary, indent=1) + "\n")
     flat = [{"epoch": r["epoch"], "seconds": r["seconds"], **{f"val_{k}": v for k, v in r["val"].items()},
              **{f"train_{k}": v for k, v in r["train"].items()}} for r in rows]

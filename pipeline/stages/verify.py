@@ -32,9 +32,9 @@ from pipeline.reference import FinalHeadModel, load_final_head, load_references
 from pipeline.shards import read_meta
 from pipeline.streamed_reference import choose_reference, shard_sequences, stream_references
 from pipeline.target import load_target
+from pipeline.verify_fit import load_embedding
 from pipeline.verify_reference_check import BF16_REL_FLOOR, check_layer_tolerance, check_reference, reference_selection  # noqa: F401
 from pipeline.verify_report import CHECKS, REPORT_DIR, Report, write_outputs
-from pipeline.verify_samples import load_embedding
 from pipeline.verify_scan import default_workers
 from pipeline.verify_shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
 
