@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import layout, shards, speculators_cpu
+from pipeline import cpu_determinism, layout, shards, speculators_cpu
 from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
 from pipeline.stages import train
@@ -122,7 +122,10 @@ def test_each_cpu_override_is_needed(trained: Path, tmp_path: Path, override: st
     epoch0 = (root / layout.DRAFT_DIR / "0" / "model.safetensors").stat().st_mtime_ns
     (root / "params.yaml").write_text(yaml.safe_dump({"train": {**TRAIN, "draft_vocab_size": 256}}))
 
-    out = subprocess.run([sys.executable, "-c", WITHOUT_ONE, override], cwd=root, capture_output=True, text=True)
+    # the script imports speculators_cpu (and torch) before the entry could pin the CPU arithmetic: pinned beforehand,
+    # as the entry pins it for `python -m pipeline train`
+    env = {**os.environ, **cpu_determinism.PINNED_ENV}
+    out = subprocess.run([sys.executable, "-c", WITHOUT_ONE, override], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode != 0
     assert where in out.stderr and "RuntimeError" in out.stderr and "accelerator" in out.stderr, out.stderr[-3000:]
 
