@@ -239,13 +239,14 @@ class Coherence:
         return torch.mm(x.to(weights.dtype), weights).float()
 
     @staticmethod
-    def _shares(h: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
+    def _shares(h: torch.Tensor, pred: torch.Tensor, energy: torch.Tensor | None = None) -> torch.Tensor:
         """[P, L + 1] residual shares of the layers (from the others) and of the first layer (from E),
-        given the predictions [P, (L + 1) H]."""
+        given the predictions [P, (L + 1) H] (`energy`: the states' [P, L] squared norms, when the caller has them)."""
         L, H = h.shape[1], h.shape[2]
         pred = pred.reshape(-1, L + 1, H)
         target = torch.cat([h, h[:, :1]], 1)
-        energy = target.pow(2).sum(-1)
+        energy = h.pow(2).sum(-1) if energy is None else energy
+        energy = torch.cat([energy, energy[:, :1]], 1)
         share = (target - pred).pow(2).sum(-1) / energy.clamp_min(1e-30)
         return torch.where(energy > 0, share, torch.full_like(share, ZERO_ROW_SHARE))
 
@@ -340,8 +341,9 @@ class Coherence:
         from_layers = self._predict(h.flatten(1), weights[: L * H])
         from_token = self._predict(x[:, L * H :], weights[L * H :])
         pred = from_layers + from_token
-        share = self._shares(h, pred)
-        contrast = self._shares(h, from_layers[torch.from_numpy(following).to(self.device)] + from_token)[:, :L]
+        energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
+        share = self._shares(h, pred, energy)
+        contrast = self._shares(h, from_layers[torch.from_numpy(following).to(self.device)] + from_token, energy)[:, :L]
         token_weights, first = weights[L * H :, L * H :], h[:, 0]  # the first layer from [E, 1] alone
         neighbours = torch.cat(before + after).to(self.device)
         e = torch.cat([self.embedding[neighbours].float(), x[:, -1:].repeat(2, 1)], 1)
@@ -354,7 +356,6 @@ class Coherence:
         # whitened residual of each layer: ||(r U) * weights||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
         residual = (h - pred.reshape(-1, L + 1, H)[:, :L]).transpose(0, 1)  # [L, n, H]
         projected = torch.bmm(residual.to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
-        energy = h.pow(2).sum(-1)
         white = projected.pow(2).sum(-1).T / energy.clamp_min(1e-30)
         white = torch.where(energy > 0, white, torch.full_like(white, ZERO_ROW_SHARE))
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
