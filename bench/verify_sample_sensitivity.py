@@ -10,6 +10,9 @@ constant, so they never fail).
 
     python bench/verify_sample_sensitivity.py PROJECT_DIR [STRIDE] [VICTIMS]
 
+Env: EPS (the errors tried), SHARDS (only the first this many shards: the 8B shape's 34 GB does not fit the host
+twice), DEVICE (where the fit and the scoring run: cpu, or cuda as verify on a GPU).
+
 Fault kinds: noise (Gaussian, relative RMS e over the 16 positions), scale (rows times 1 + e), and
 two of fixed size: `other` (the layer's rows from another request at the same positions) and `stale`
 (the layer's rows of the previous position: a buffer copied a token late).
@@ -42,8 +45,9 @@ def main(root: Path, stride: int, victims_wanted: int) -> None:
     W.WHITEN_RIDGE = float(os.environ.get("WHITEN_RIDGE", W.WHITEN_RIDGE))  # to compare settings
     W.WHITEN_POWER = float(os.environ.get("WHITEN_POWER", W.WHITEN_POWER))
     target = json.loads((root / "artifacts/model/target.json").read_text())
-    embedding = verify_fit.load_embedding(Path(target["path"]), device="cpu")
+    embedding = verify_fit.load_embedding(Path(target["path"]), device=os.environ.get("DEVICE", "cpu"))
     files = complete_shards(root / "artifacts/hidden_states")
+    files = files[: int(os.environ["SHARDS"])] if os.environ.get("SHARDS") else files
     prepared = load_from_disk(str(root / "artifacts/prepared/dataset"))
     layer_ids = json.loads((root / "artifacts/hidden_states/extract_meta.json").read_text())["layer_ids"]
     params = VerifyParams(sample_stride=stride)

@@ -28,6 +28,8 @@ for stride in filter(None, os.environ.get("VERIFY_SAMPLE_STRIDES", "").split(","
     VERIFY_MODES[f"sample_stride_{stride}"] = {"sample_stride": int(stride)}
 for workers in filter(None, os.environ.get("VERIFY_WORKERS", "").split(",")):  # how the scan scales with its threads
     VERIFY_MODES[f"workers_{workers}"] = {"workers": int(workers)}
+if os.environ.get("VERIFY_TORCH_THREADS"):  # torch's intra-op threads (CPU ops of 16 scan threads may oversubscribe)
+    VERIFY_MODES[f"torch_threads_{os.environ['VERIFY_TORCH_THREADS']}"] = {"_torch_threads": int(os.environ["VERIFY_TORCH_THREADS"])}
 if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
     VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 
@@ -37,6 +39,32 @@ COLD_PROCESS = (
     "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
     "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t)"
 )
+
+
+def py_spy() -> str | None:
+    """py-spy's binary, carried as its wheel (.gpucarry/whl, unpacked into /tmp/site) or on PATH."""
+    import glob
+    import shutil
+
+    found = shutil.which("py-spy") or next(iter(glob.glob("/tmp/site/py_spy-*.data/scripts/py-spy")), None)
+    if found:
+        os.chmod(found, 0o755)
+    return found
+
+
+def profiled_cold_process(proj: Path, out: Path) -> dict:
+    """The cold verify process once more, sampled by py-spy (every thread, idle ones too, 100 Hz): where the
+    scan's threads spend the wall, as collapsed stacks (out/verify_pyspy.txt; `bench/pyspy_summary.py` reads it)."""
+    binary = py_spy()
+    if binary is None:
+        return {"skipped": "no py-spy (carry its wheel in .gpucarry/whl)"}
+    target = out / "verify_pyspy.txt"
+    cmd = [binary, "record", "--idle", "--threads", "--rate", "100", "--format", "raw", "--output", str(target),
+           "--", sys.executable, "-c", COLD_PROCESS]
+    t = time.monotonic()
+    run = subprocess.run(cmd, cwd=proj, capture_output=True, text=True)
+    return {"rc": run.returncode, "wall_s": round(time.monotonic() - t, 2), "file": target.name if target.exists() else None,
+            "stdout_tail": run.stdout[-600:], "stderr_tail": run.stderr[-1500:]}
 
 
 def head_microbench(ref) -> dict:
@@ -163,9 +191,18 @@ def job_verify_all(state: dict, name: str) -> dict:
                     if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 and not only_preloaded else None,
     }
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
+    if os.environ.get("VERIFY_PYSPY") == "1":
+        summary["profiled_cold_process"] = profiled_cold_process(proj, Path(state["out"]))
+        log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
+    import torch
+
     for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
         timings.clear()
+        params = dict(params)
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(params.pop("_torch_threads", threads_before))
         failed, verify_s = _run_verify(proj, **params)
+        torch.set_num_threads(threads_before)
         metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
         (Path(state["out"]) / f"verifyall_{name}_{mode}_report.md").write_text((proj / "reports/verify/report.md").read_text())
         scan_s = timings.get("check_structure_and_values_s")

@@ -394,6 +394,12 @@ class Bench:
                 self.prepare_project("dense")
                 self.child("stage:dense", 420, 200 if not smoke else 10)
             self.child("verifyall:dense", 420, 60 if not smoke else 10)
+        if "sens" in jobs:  # after verifyall, on the same extraction
+            if "stage:dense" not in self.results["jobs"]:
+                self.child("build:dense", 240, 60)
+                self.prepare_project("dense")
+                self.child("stage:dense", 420, 200 if not smoke else 10)
+            self.child("sens:dense", 400, 60 if not smoke else 10)
         if "tune" in jobs and "build:dense" in self.results["jobs"]:
             self.child("matmul", 120, 30)
             self.child("plain:dense", 300, 120 if not smoke else 10)
