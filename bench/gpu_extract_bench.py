@@ -140,6 +140,7 @@ def main() -> None:
     ap.add_argument("--baseline", default=None, help="path of the old pipeline/stages/extract.py (job 'baseline')")
     ap.add_argument("--deadline", type=float, default=570.0, help="seconds from start; later jobs are skipped")
     ap.add_argument("--smoke", action="store_true", help="tiny models on CPU: test the plumbing")
+    ap.add_argument("--reuse", action="store_true", help="count the steps an earlier call finished under --work as done")
     ap.add_argument("--skip", default="", help="comma list of steps not to run, e.g. hf:dense")
     ap.add_argument("--eager", action="store_true", help="dense runs of tp/ray in eager mode too (shorter start-up)")
     ap.add_argument("--child", default=None)

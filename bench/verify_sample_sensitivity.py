@@ -83,7 +83,10 @@ def main(root: Path, stride: int, victims_wanted: int) -> None:
         print(f"  {name:34s} run's windows max {mz:5.1f} / threshold {pt:5.1f}   within max {wz:5.1f} / {wt:5.1f}")
     for f in report.failures("samples"):
         print("  FALSE ALARM:", f.where(), f.message)
-    by_length = sorted((sid for sid, s in samples.items() if s.input_ids.numel() >= 130), key=lambda sid: samples[sid].input_ids.numel())
+    by_length = sorted((sid for sid, s in samples.items() if s.input_ids.numel() >= 72), key=lambda sid: samples[sid].input_ids.numel())
+    if not by_length:
+        print("no sample of 72 tokens or more: no victim to plant 16 positions from position 40-46 into")
+        return
     victims = [by_length[i * (len(by_length) - 1) // max(victims_wanted, 1)] for i in range(victims_wanted)]
 
     def planted(sid: int, kind: str, layer: int, eps: float) -> torch.Tensor:

@@ -371,7 +371,25 @@ class Bench:
         self.results["seed"] = seed_figures(self.results["jobs"])
         self.save()
 
+    def reuse_previous(self) -> None:
+        """--reuse: the steps an earlier call on this warm machine finished under the same --work (their results,
+        the projects and the models they made) count as done, so a later call runs only what is new."""
+        state_file = self.work / "state.json"
+        if not state_file.is_file():
+            log("reuse: no earlier state under --work; nothing reused")
+            return
+        kept = {"out", "smoke", "work", "child_deadline_unix", "baseline", "eager"}
+        for k, v in json.loads(state_file.read_text()).items():
+            if k not in kept:
+                self.state.setdefault(k, v)
+        for result_file in sorted(self.work.glob("result-*.json")):
+            job = result_file.stem.removeprefix("result-").replace("-", ":", 1)
+            self.results["jobs"][job] = {**json.loads(result_file.read_text()), "reused": True}
+        log(f"reuse: {sorted(self.results['jobs'])}")
+
     def run(self, jobs: list[str]) -> None:
+        if self.args.reuse:
+            self.reuse_previous()
         self.results["env"] = environment()
         self.results["args"] = vars(self.args)
         self.results["state"] = {k: v for k, v in self.state.items() if not k.startswith("phases")}
