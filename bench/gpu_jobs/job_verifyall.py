@@ -30,6 +30,8 @@ for workers in filter(None, os.environ.get("VERIFY_WORKERS", "").split(",")):  #
     VERIFY_MODES[f"workers_{workers}"] = {"workers": int(workers)}
 if os.environ.get("VERIFY_TORCH_THREADS"):  # torch's intra-op threads (CPU ops of 16 scan threads may oversubscribe)
     VERIFY_MODES[f"torch_threads_{os.environ['VERIFY_TORCH_THREADS']}"] = {"_torch_threads": int(os.environ["VERIFY_TORCH_THREADS"])}
+# any other modes, as JSON {"name": {verify param: value}}, e.g. '{"check4_256": {"final_state_positions_per_shard": 256}}'
+VERIFY_MODES.update(json.loads(os.environ.get("VERIFY_EXTRA_MODES", "{}")))
 if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
     VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 
