@@ -3,11 +3,14 @@ streamed reference's plan: how many routed experts it holds at once under a memo
 
 A unit is what the streamed reference holds at one time: the embedding, a decoder layer's dense part
 (attention, norms, router, shared experts), a chunk of its routed experts, the final norm + lm_head.
-A unit resident costs its bytes as read from the checkpoint plus its weights materialized in each
-run's dtype (fp32, and the capture's dtype for a low-precision capture: 4 + 2 bytes per weight);
-the prefetch of the next unit adds that unit's bytes as read; the working set (one sample's
-activations in both runs) comes on top. These are estimates of the largest allocations, not a
-measurement; docs/ARCHITECTURE.md says what the budget does and does not bound.
+A layer's dense part is held in each run's dtype at once (fp32, and the capture's dtype for a
+low-precision capture: 4 + 2 bytes per weight: both runs' modules wait for the layer's expert
+chunks); the embedding and an expert chunk are built for one run at a time (4 bytes per weight, the
+fp32 run's). On a CPU the checkpoint's bytes as read and the prefetched next unit share that memory;
+on a GPU they stay in host memory (measured at Kimi-K2.5's width, depth 4, 36 experts a chunk: the
+reference's own GPU peak 9.17 GB, where counting them and both runs' experts estimated 17.16 GB).
+The working set (one sample's activations in both runs) comes on top. These are estimates of the
+largest allocations, not a measurement; docs/ARCHITECTURE.md says what the budget does and does not bound.
 """
 
 from __future__ import annotations
@@ -81,20 +84,24 @@ class StreamPlan:
     budget_bytes: int
 
 
-def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dtype: str, budget_label: str | None = None) -> StreamPlan:
-    """The largest expert chunk per layer that keeps the estimate within the budget; a budget below the
-    smallest unit of work (the largest dense unit, or a layer's dense part + one expert) is an error
-    naming the param and the smallest budget that would do."""
+def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dtype: str, budget_label: str | None = None,
+                on_gpu: bool = False) -> StreamPlan:
+    """The largest expert chunk per layer that keeps the estimate within the budget (of the GPU's memory when
+    `on_gpu`, where the bytes as read stay on the host); a budget below the smallest unit of work (the largest
+    dense unit, or a layer's dense part + one expert) is an error naming the param and the smallest budget that would do."""
     bpe = run_bytes_per_element(captured_dtype)
+    one_run = 4  # the embedding and an expert chunk: one run's copy at a time, fp32 the largest
     work = working_bytes(cost, max_tokens, captured_dtype)
     singles = [cost.embed, cost.head] + [lc.dense for lc in cost.layers]
-    prefetch = max(u.read_bytes for u in singles)
+    prefetch = 0 if on_gpu else max(u.read_bytes for u in singles)
+    read = 0 if on_gpu else 1
 
     def need(lc: LayerCost, chunk: int) -> int:
-        chunk_read = chunk * lc.expert.read_bytes
-        return resident(lc.dense, bpe) + chunk * resident(lc.expert, bpe) + max(prefetch, chunk_read) + work
+        chunk_read = read * chunk * lc.expert.read_bytes
+        return (read * lc.dense.read_bytes + lc.dense.elements * bpe + chunk * (read * lc.expert.read_bytes + lc.expert.elements * one_run)
+                + max(prefetch, chunk_read) + work)
 
-    fixed = max(resident(u, bpe) for u in (cost.embed, cost.head)) + prefetch + work
+    fixed = max(read * u.read_bytes + u.elements * one_run for u in (cost.embed, cost.head)) + prefetch + work
     smallest = max([fixed] + [need(lc, min(1, lc.experts)) for lc in cost.layers])
     if budget_bytes < smallest:
         raise PipelineError(

@@ -3,8 +3,8 @@
 
 Sizes come from the config alone (reference_cost.from_config), so a model that is not here (the
 Kimi-K2.5-shaped example) projects too. The time is an estimate at assumed rates, stated with it:
-reading the checkpoint once at READ_BYTES_PER_S overlaps the forward (the next unit is prefetched),
-so the longer of the two is taken.
+reading the checkpoint once (the whole model at READ_BYTES_PER_S, assumed; streamed at STREAMED_BYTES_PER_S,
+measured on the H200 host) overlaps the forward (the next unit is prefetched), so the longer of the two is taken.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ from pipeline.errors import PipelineError
 from pipeline.extraction.capacity import human_bytes, human_seconds
 from pipeline.reference_cost import BUDGET_PARAM, GIB, from_config, stream_plan, whole_model_bytes
 
-READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed)
+READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed): the whole-model load
+# the streamed reference, unit by unit: read on the host, copied up, INT4 dequantized, one unit ahead (measured: the
+# seed's shape on the H200 host, 35.1 GB in 31.9 s and 33.1 s, two calls; docs/BENCHMARKS.md)
+STREAMED_BYTES_PER_S = 1.07e9
 FLOPS = {"gpu": {"float32": 50e12, "bfloat16": 400e12}, "cpu": {"float32": 2e11, "bfloat16": 1e11}}  # assumed sustained
 
 
@@ -64,7 +67,7 @@ def project_reference(cfg: dict, verify, captured_dtype: str, max_tokens: int, g
         said = f"90% of this machine's {budget / 0.9 / GIB:.0f} GiB ({BUDGET_PARAM} null)"
     whole = whole_model_bytes(cost, max_tokens, captured_dtype)
     try:
-        plan = stream_plan(cost, budget, max_tokens, captured_dtype)
+        plan = stream_plan(cost, budget, max_tokens, captured_dtype, on_gpu=bool(gpus))
     except PipelineError as e:
         plan, reason = None, str(e)
     if plan is None:
@@ -84,8 +87,9 @@ def project_reference(cfg: dict, verify, captured_dtype: str, max_tokens: int, g
         lc.dense.elements + min(lc.experts, cfg.get("num_experts_per_tok", 0) or 0) * lc.expert.elements for lc in cost.layers)
     rates = FLOPS[device]
     compute = 2 * active * tokens / rates["float32"] + (0 if captured_dtype == "float32" else 2 * active * tokens / rates["bfloat16"])
-    read = cost.read_bytes / READ_BYTES_PER_S
-    how = (f"max(read {cost.read_bytes / 1e9:,.0f} GB at {READ_BYTES_PER_S / 1e9:g} GB/s = {read:,.0f} s, forward "
+    rate, rate_is = (STREAMED_BYTES_PER_S, "measured, streamed") if reference == "streamed" else (READ_BYTES_PER_S, "assumed")
+    read = cost.read_bytes / rate
+    how = (f"max(read {cost.read_bytes / 1e9:,.0f} GB at {rate / 1e9:g} GB/s ({rate_is}) = {read:,.0f} s, forward "
            f"{samples} x {max_tokens} tokens x 2 x {active / 1e9:,.1f}e9 active weights in fp32"
            f"{'' if captured_dtype == 'float32' else ' + ' + captured_dtype} on the {device} at assumed "
            f"{rates['float32'] / 1e12:g}/{rates['bfloat16'] / 1e12:g} TFLOP/s = {compute:,.0f} s)")

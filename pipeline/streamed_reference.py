@@ -194,6 +194,7 @@ class Choice:
     budget_bytes: int
     cost: ModelCost | None = None
     max_tokens: int = 0
+    on_gpu: bool = False  # the budget is of a GPU's memory (the checkpoint's bytes as read stay on the host)
 
 
 def device_free_bytes(device: torch.device) -> int:
@@ -221,15 +222,16 @@ def choose_reference(path: Path, captured_dtype: str, memory_gib: float | None, 
         if ckpt is not None and ckpt.scheme is not None:
             raise PipelineError(f"model.path: {path} is INT4, which only the streamed reference reads, and it cannot lay out this target: {e}") from None
         return Choice(False, f"the streamed reference cannot lay out this target ({type(e).__name__}: {e})", budget)
-    plan = stream_plan(cost, budget, max_tokens, captured_dtype, given)  # raises on a budget too small
+    on_gpu = dev.type == "cuda"
+    plan = stream_plan(cost, budget, max_tokens, captured_dtype, given, on_gpu)  # raises on a budget too small
     whole = whole_model_bytes(cost, max_tokens, captured_dtype)
     if ckpt.scheme is not None:
         why = f"the checkpoint is INT4 ({ckpt.scheme.format}, group {ckpt.scheme.weights.group_size}): dequantized unit by unit"
-        return Choice(True, why, budget, cost, max_tokens)
+        return Choice(True, why, budget, cost, max_tokens, on_gpu)
     if whole > budget:
         why = f"the whole model needs ~{whole / GIB:.3g} GiB, over the budget {said}; streamed peak ~{plan.peak_bytes / GIB:.3g} GiB"
-        return Choice(True, why, budget, cost, max_tokens)
-    return Choice(False, f"the whole model (~{whole / GIB:.3g} GiB) fits the budget {said}", budget, cost, max_tokens)
+        return Choice(True, why, budget, cost, max_tokens, on_gpu)
+    return Choice(False, f"the whole model (~{whole / GIB:.3g} GiB) fits the budget {said}", budget, cost, max_tokens, on_gpu)
 
 
 def shard_sequences(sample_ids: list[int], sample_to_shard: dict[int, Path]) -> list[torch.Tensor]:
@@ -258,7 +260,7 @@ def stream_references(path: Path, captured_dtype: str, sequences: list[torch.Ten
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     ckpt = Checkpoint(path)
     sk = Skeleton(ckpt, trust_remote_code)
-    plan = stream_plan(choice.cost, choice.budget_bytes, choice.max_tokens, captured_dtype)
+    plan = stream_plan(choice.cost, choice.budget_bytes, choice.max_tokens, captured_dtype, on_gpu=choice.on_gpu)
     runs = [Run(torch.float32, sequences)] + ([] if captured_dtype == "float32" else [Run(DTYPES[captured_dtype], sequences)])
     with torch.device("cpu"):  # built as from_pretrained builds it: inv_freq computed in fp32
         rotary = type(sk.model.model.rotary_emb)(config=sk.config).to(dev)

@@ -77,7 +77,7 @@ def build_tiny_llama(model_dir: Path, seed: int = 0) -> Path:
     return model_dir
 
 
-def build_tiny_deepseek_v3(model_dir: Path, seed: int = 0) -> Path:
+def build_tiny_deepseek_v3(model_dir: Path, seed: int = 0, moe_intermediate_size: int = 32) -> Path:
     """A random-weight fp32 DeepSeek-V3 / Kimi-K2 shape: MLA (real head dims 512 + 64), 1 dense +
     7 MoE layers of 4 routed experts (top-2, sigmoid, noaux_tc) + 1 shared; the config comes from
     the embedded builder, so this is the config.json the model stage writes."""
@@ -91,7 +91,7 @@ def build_tiny_deepseek_v3(model_dir: Path, seed: int = 0) -> Path:
     p = EmbeddedModelParams(
         architecture="deepseek_v3", num_layers=TINY["num_layers"], hidden_size=TINY["hidden_size"], num_heads=2,
         intermediate_size=128, vocab_size=TINY["vocab_size"], max_position_embeddings=TINY["max_position_embeddings"],
-        deepseek_v3=DeepseekV3Params(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, q_lora_rank=32),
+        deepseek_v3=DeepseekV3Params(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=moe_intermediate_size, q_lora_rank=32),
     )
     torch.manual_seed(seed)
     config = tiny_deepseek_v3.build_config(p, TINY["vocab_size"], bos=1, eos=2, pad=None)
