@@ -96,16 +96,17 @@ def seed_config(depth: int = 4, width: dict | None = None, layer_ids: list[int] 
 
 
 def check_reference_budget(cfg: dict, budget_gib: float | None, max_tokens: int, captured_dtype: str = "bfloat16",
-                           group_size: int = 32):
+                           group_size: int = 32, on_gpu: bool = False):
     """verify's streamed reference on this checkpoint under `budget_gib` (None: the device's free memory,
     checked when verify runs), from the config alone: a budget below its smallest unit of work is an
-    error naming verify.reference_memory_gib and the smallest budget that would do, before any weight is made."""
+    error naming verify.reference_memory_gib and the smallest budget that would do (of a GPU's memory when
+    `on_gpu`, where verify will run it), before any weight is made."""
     from pipeline.reference_cost import GIB, from_config, stream_plan
 
     cost = from_config(cfg, 2.0, 0.5 + 2.0 / group_size)  # bf16 dense, INT4 experts with bf16 scales per group
     if budget_gib is None:
         return None
-    return stream_plan(cost, int(budget_gib * GIB), max_tokens, captured_dtype, f"{budget_gib} GiB")
+    return stream_plan(cost, int(budget_gib * GIB), max_tokens, captured_dtype, f"{budget_gib} GiB", on_gpu)
 
 
 @dataclass(frozen=True)

@@ -160,6 +160,12 @@ def test_reference_budget_below_the_smallest_unit_is_refused_at_full_width():
     plan = check_reference_budget(cfg, 16.0, 2048)  # the bench's budget, below the 4-layer model's size
     assert smallest < 16.0 and plan.peak_bytes <= 16 * GIB
     assert 1 <= max(plan.experts_per_chunk) < 384  # the experts go in chunks
+    # on a GPU the checkpoint's bytes as read stay in host memory: a smaller smallest budget, bigger chunks
+    with pytest.raises(PipelineError) as err:
+        check_reference_budget(cfg, 1.0, 2048, on_gpu=True)
+    on_gpu_smallest = float(str(err.value).split("at least ")[1].split(" GiB")[0])
+    on_gpu = check_reference_budget(cfg, 16.0, 2048, on_gpu=True)
+    assert on_gpu_smallest < smallest and max(plan.experts_per_chunk) < max(on_gpu.experts_per_chunk) < 384
 
 
 @pytest.mark.parametrize(("args", "param", "hint"), [

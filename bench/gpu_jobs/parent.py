@@ -350,7 +350,7 @@ class Bench:
         self.state.update(seed_depth=self.args.seed_depth, seed_experts=self.args.seed_experts)
         cfg = shape_of(self.state, "seed")  # depth, width, layer ids, experts: checked here
         budget = self.args.seed_reference_gib or (None if smoke else SEED_REFERENCE_GIB)
-        check_reference_budget(cfg, budget, max(spec["len_a"], spec["len_b"]))
+        check_reference_budget(cfg, budget, max(spec["len_a"], spec["len_b"]), on_gpu=not smoke)  # verify runs it on the GPU
         self.results["seed_params"] = {"depth": self.args.seed_depth, "experts": self.args.seed_experts,
                                        "layer_ids": layer_ids_of(self.state, "seed"), "reference_gib": budget}
         self.child("build:seed", 300, fast or 60)
