@@ -261,28 +261,32 @@ class Coherence:
         so a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
-        groups: dict[tuple[int, str], list] = {}
+        groups: dict[str, list] = {}
         for sid, hidden, dtype, ids in samples:
             positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
             if len(positions) < 2:  # no other judged position to contrast with
                 scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
             else:
-                groups.setdefault((self.fold(sid), self.half(sid), dtype), []).append((sid, hidden, ids, positions))
+                groups.setdefault(dtype, []).append((sid, hidden, ids, positions, self.fold(sid), self.half(sid)))
         if groups:
             self._ready_for_threads()  # done by `fit`; here for predictors set by hand (one thread)
             stream = self._slots.get()
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for (fold, half, dtype), group in groups.items():
+                    for dtype, group in groups.items():
+                        # one batch for every fold and half, their rows contiguous: the products run per (fold, half)
+                        # on row ranges, every other operation once per batch (the H200's profile: a shard's samples in
+                        # up to four batches spent the scan on per-operation work, not on bytes or multiply-adds)
+                        group.sort(key=lambda item: item[4:])
                         batch, rows = [], 0
                         for item in group:
                             batch.append(item)
                             rows += len(item[3])
                             if rows >= BATCH_ROWS:
-                                scored.update(self._score_batch(fold, half, dtype, batch))
+                                scored.update(self._score_batch(dtype, batch))
                                 batch, rows = [], 0
                         if batch:
-                            scored.update(self._score_batch(fold, half, dtype, batch))
+                            scored.update(self._score_batch(dtype, batch))
             finally:
                 self._slots.put(stream)
         return [scored[sid] for sid, *_ in samples]
@@ -306,12 +310,12 @@ class Coherence:
         at = 0
         with warnings.catch_warnings():  # the memory map is read-only; nothing writes through the tensor view
             warnings.simplefilter("ignore", UserWarning)
-            for _, hidden, _, positions in batch:
+            for _, hidden, _, positions, *_ in batch:
                 torch.index_select(torch.from_numpy(hidden), 0, torch.from_numpy(positions), out=rows[at : at + len(positions)])
                 at += len(positions)
         return rows
 
-    def _score_batch(self, fold: int, half: int, dtype: str, batch: list) -> dict[int, SampleScores]:
+    def _score_batch(self, dtype: str, batch: list) -> dict[int, SampleScores]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
         layers of the *next* judged position of the same sample, the first layer from the embedding of
@@ -320,34 +324,49 @@ class Coherence:
         is explained no better by its own inputs than by wrong ones (ratio -> 1). The ratio
         cancels how predictable a token is, which the share alone varies with."""
         L, H = len(self.layer_ids), self.embedding.shape[1]
-        lengths = np.array([len(positions) for *_, positions in batch])
+        lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         n = int(lengths.sum())
         # the next judged position of the same sample (the last one's: the sample's first)
         following = np.arange(1, n + 1)
         following[starts + lengths - 1] = starts
         tokens_at, before, after = [], [], []
-        for _, _, ids, positions in batch:
+        # row ranges of each fold and of each (fold, half): the batch is sorted by them
+        fold_rows: dict[int, list[int]] = {}
+        half_rows: dict[tuple[int, int], list[int]] = {}
+        for (*_, fold, half), s, k in zip(batch, starts, lengths, strict=True):
+            for key, spans in ((fold, fold_rows), ((fold, half), half_rows)):
+                first, _ = spans.get(key, (int(s), 0))
+                spans[key] = [first, int(s + k)]
+        for _, _, ids, positions, *_ in batch:
             pos = torch.from_numpy(positions)
             tokens_at.append(ids[pos])
             before.append(ids[pos - 1])
             after.append(ids[(pos + 1).clamp_max(len(ids) - 1)])
         h, x = self.inputs(self._gather(batch, n), dtype, torch.cat(tokens_at))
-        weights, differences = self._compute_weights(fold)
-        eigenvectors, scales = self._compute_whitener(fold, half)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
         # next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
-        from_layers = self._predict(h.flatten(1), weights[: L * H])
-        from_token = self._predict(x[:, L * H :], weights[L * H :])
+        from_layers = torch.empty(n, (L + 1) * H, device=self.device)
+        from_token = torch.empty_like(from_layers)
+        flat = h.flatten(1)
+        for fold, (a, b) in fold_rows.items():
+            weights = self._compute_weights(fold)[0]
+            from_layers[a:b] = self._predict(flat[a:b], weights[: L * H])
+            from_token[a:b] = self._predict(x[a:b, L * H :], weights[L * H :])
         pred = from_layers + from_token
         energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
         share = self._shares(h, pred, energy)
         contrast = self._shares(h, from_layers[torch.from_numpy(following).to(self.device)] + from_token, energy)[:, :L]
-        token_weights, first = weights[L * H :, L * H :], h[:, 0]  # the first layer from [E, 1] alone
+        first = h[:, 0]  # the first layer from [E, 1] alone
         neighbours = torch.cat(before + after).to(self.device)
         e = torch.cat([self.embedding[neighbours].float(), x[:, -1:].repeat(2, 1)], 1)
-        tokens = (first.repeat(2, 1) - self._predict(e, token_weights)).pow(2).sum(-1).reshape(2, n)
+        from_neighbours = torch.empty(2 * n, H, device=self.device)
+        for fold, (a, b) in fold_rows.items():
+            token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
+            for at in (0, n):  # the previous tokens' rows, then the next tokens'
+                from_neighbours[at + a : at + b] = self._predict(e[at + a : at + b], token_weights)
+        tokens = (first.repeat(2, 1) - from_neighbours).pow(2).sum(-1).reshape(2, n)
         tokens = tokens.min(0).values / first.pow(2).sum(-1).clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
@@ -355,19 +374,31 @@ class Coherence:
         geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
         # whitened residual of each layer: ||(r U) * weights||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
         residual = (h - pred.reshape(-1, L + 1, H)[:, :L]).transpose(0, 1)  # [L, n, H]
-        projected = torch.bmm(residual.to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
+        projected = torch.empty(L, n, H, device=self.device)
+        for (fold, half), (a, b) in half_rows.items():
+            eigenvectors, scales = self._compute_whitener(fold, half)
+            projected[:, a:b] = torch.bmm(residual[:, a:b].to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
         white = projected.pow(2).sum(-1).T / energy.clamp_min(1e-30)
         white = torch.where(energy > 0, white, torch.full_like(white, ZERO_ROW_SHARE))
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
             kept = np.minimum(lengths, EXCHANGE_POSITIONS)
+            tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
             tried = torch.from_numpy(np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)])).to(self.device)
             of_sample = torch.from_numpy(np.repeat(np.arange(len(batch)), kept)).to(self.device)
             given = share[tried, :L].sum(1).clamp_min(1e-30).log()
             ht = h[tried]
             hk = ht.transpose(0, 1)  # [L, k, H]
-            swapped_pred = pred[tried][None] + torch.bmm((hk[1:] - hk[:-1]).to(weights.dtype), differences).float()
+            step = hk[1:] - hk[:-1]
+            correction = torch.empty(L - 1, step.shape[1], (L + 1) * H, device=self.device)
+            sample_folds = [item[4] for item in batch]
+            for fold in fold_rows:
+                i0, i1 = sample_folds.index(fold), len(sample_folds) - sample_folds[::-1].index(fold)
+                a, b = int(tried_at[i0]), int(tried_at[i1])
+                differences = self._compute_weights(fold)[1]
+                correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
+            swapped_pred = pred[tried][None] + correction
             swapped_pred = swapped_pred.reshape(L - 1, -1, L + 1, H)[:, :, :L]
             hx = ht.expand(L - 1, -1, -1, -1).clone()  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             for i in range(L - 1):
@@ -379,7 +410,7 @@ class Coherence:
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
-                for i, ((sid, _, _, positions), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+                for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
 
 
 def tests_per_position(layers: int) -> int:
