@@ -67,8 +67,9 @@ def working_bytes(cost: ModelCost, max_tokens: int, captured_dtype: str) -> int:
     return run_bytes_per_element(captured_dtype) * max_tokens * per_token
 
 
-def resident(unit: Unit, bpe: int) -> int:
-    return unit.read_bytes + unit.elements * bpe
+def resident(unit: Unit, bpe: int, with_read: bool = True) -> int:
+    """A unit's weights materialized at `bpe` bytes each, plus its bytes as read where they share the memory."""
+    return (unit.read_bytes if with_read else 0) + unit.elements * bpe
 
 
 def whole_model_bytes(cost: ModelCost, max_tokens: int, captured_dtype: str) -> int:
@@ -93,15 +94,15 @@ def stream_plan(cost: ModelCost, budget_bytes: int, max_tokens: int, captured_dt
     one_run = 4  # the embedding and an expert chunk: one run's copy at a time, fp32 the largest
     work = working_bytes(cost, max_tokens, captured_dtype)
     singles = [cost.embed, cost.head] + [lc.dense for lc in cost.layers]
-    prefetch = 0 if on_gpu else max(u.read_bytes for u in singles)
-    read = 0 if on_gpu else 1
+    with_read = not on_gpu  # on a GPU the bytes as read (and the prefetched unit) stay in host memory
+    prefetch = max(u.read_bytes for u in singles) if with_read else 0
 
     def need(lc: LayerCost, chunk: int) -> int:
-        chunk_read = read * chunk * lc.expert.read_bytes
-        return (read * lc.dense.read_bytes + lc.dense.elements * bpe + chunk * (read * lc.expert.read_bytes + lc.expert.elements * one_run)
+        chunk_read = chunk * lc.expert.read_bytes if with_read else 0
+        return (resident(lc.dense, bpe, with_read) + chunk * resident(lc.expert, one_run, with_read)
                 + max(prefetch, chunk_read) + work)
 
-    fixed = max(read * u.read_bytes + u.elements * one_run for u in (cost.embed, cost.head)) + prefetch + work
+    fixed = max(resident(u, one_run, with_read) for u in (cost.embed, cost.head)) + prefetch + work
     smallest = max([fixed] + [need(lc, min(1, lc.experts)) for lc in cost.layers])
     if budget_bytes < smallest:
         raise PipelineError(

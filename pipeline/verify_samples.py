@@ -331,13 +331,8 @@ class Coherence:
         following = np.arange(1, n + 1)
         following[starts + lengths - 1] = starts
         tokens_at, before, after = [], [], []
-        # row ranges of each fold and of each (fold, half): the batch is sorted by them
-        fold_rows: dict[int, list[int]] = {}
-        half_rows: dict[tuple[int, int], list[int]] = {}
-        for (*_, fold, half), s, k in zip(batch, starts, lengths, strict=True):
-            for key, spans in ((fold, fold_rows), ((fold, half), half_rows)):
-                first, _ = spans.get(key, (int(s), 0))
-                spans[key] = [first, int(s + k)]
+        folds, halves = [item[4] for item in batch], [item[4:] for item in batch]  # the batch is sorted by them
+        fold_rows, half_rows = row_spans(folds, starts, starts + lengths), row_spans(halves, starts, starts + lengths)
         for _, _, ids, positions, *_ in batch:
             pos = torch.from_numpy(positions)
             tokens_at.append(ids[pos])
@@ -385,6 +380,7 @@ class Coherence:
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
             kept = np.minimum(lengths, EXCHANGE_POSITIONS)
             tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
+            tried_rows = row_spans(folds, tried_at[:-1], tried_at[1:])
             tried = torch.from_numpy(np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)])).to(self.device)
             of_sample = torch.from_numpy(np.repeat(np.arange(len(batch)), kept)).to(self.device)
             given = share[tried, :L].sum(1).clamp_min(1e-30).log()
@@ -392,10 +388,7 @@ class Coherence:
             hk = ht.transpose(0, 1)  # [L, k, H]
             step = hk[1:] - hk[:-1]
             correction = torch.empty(L - 1, step.shape[1], (L + 1) * H, device=self.device)
-            sample_folds = [item[4] for item in batch]
-            for fold in fold_rows:
-                i0, i1 = sample_folds.index(fold), len(sample_folds) - sample_folds[::-1].index(fold)
-                a, b = int(tried_at[i0]), int(tried_at[i1])
+            for fold, (a, b) in tried_rows.items():
                 differences = self._compute_weights(fold)[1]
                 correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
             swapped_pred = pred[tried][None] + correction
@@ -411,6 +404,14 @@ class Coherence:
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                 for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+
+
+def row_spans(keys: list, starts, ends) -> dict:
+    """Per key, the rows [first start, last end) of the items with it (contiguous: the items are sorted by key)."""
+    spans: dict = {}
+    for key, start, end in zip(keys, starts, ends, strict=True):
+        spans[key] = (spans.get(key, (int(start),))[0], int(end))
+    return spans
 
 
 def tests_per_position(layers: int) -> int:
