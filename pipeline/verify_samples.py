@@ -146,6 +146,7 @@ class Coherence:
                 self._compute_weights(fold)
                 for half in range(2):
                     self._compute_whitener(fold, half)
+        self._exchanged_orders(len(self.layer_ids))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             for _ in range(SCORING_SLOTS):
@@ -235,6 +236,17 @@ class Coherence:
             cached = self._compute_cache[(fold, half)] = (vectors, vectors.to(dtype), weights)
         return cached[1], cached[2]
 
+    def _exchanged_orders(self, layers: int) -> torch.Tensor:
+        """[L - 1, L] on the device: the captured layers' order with pair (i, i + 1) exchanged, in row i (made once:
+        an index from a Python list is a host tensor, and its upload would wait for the stream's work)."""
+        orders = self._compute_cache.get("exchanged")
+        if orders is None:
+            orders = torch.arange(layers).repeat(max(layers - 1, 0), 1)
+            for i in range(layers - 1):
+                orders[i, [i, i + 1]] = torch.tensor([i + 1, i])
+            orders = self._compute_cache["exchanged"] = orders.to(self.device)
+        return orders
+
     def _predict(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.mm(x.to(weights.dtype), weights).float()
 
@@ -257,8 +269,8 @@ class Coherence:
     @torch.inference_mode()
     def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]]) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
-        shard's samples are scored together: one batch of judged rows per fold, half and dtype (up to BATCH_ROWS),
-        so a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
+        shard's samples are scored together, one batch of judged rows (up to BATCH_ROWS) sorted by fold and half, so
+        a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
         groups: dict[str, list] = {}
@@ -270,43 +282,45 @@ class Coherence:
                 groups.setdefault(dtype, []).append((sid, hidden, ids, positions, self.fold(sid), self.half(sid)))
         if groups:
             self._ready_for_threads()  # done by `fit`; here for predictors set by hand (one thread)
-            stream = self._slots.get()
-            try:
-                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    for dtype, group in groups.items():
-                        # one batch for every fold and half, their rows contiguous: the products run per (fold, half)
-                        # on row ranges, every other operation once per batch (the H200's profile: a shard's samples in
-                        # up to four batches spent the scan on per-operation work, not on bytes or multiply-adds)
-                        group.sort(key=lambda item: item[4:])
-                        batch, rows = [], 0
-                        for item in group:
-                            batch.append(item)
-                            rows += len(item[3])
-                            if rows >= BATCH_ROWS:
-                                scored.update(self._score_batch(dtype, batch))
-                                batch, rows = [], 0
-                        if batch:
-                            scored.update(self._score_batch(dtype, batch))
-            finally:
-                self._slots.put(stream)
+        for dtype, group in groups.items():
+            # the products run per (fold, half) on contiguous row ranges, every other operation once per batch (the
+            # H200's profile: a shard's samples in up to four batches spent the scan on per-operation work)
+            group.sort(key=lambda item: item[4:])
+            batch, rows = [], 0
+            for item in group:
+                batch.append(item)
+                rows += len(item[3])
+                if rows >= BATCH_ROWS or item is group[-1]:
+                    # the host's part first, outside a slot: 16 scan threads copy rows at once, 4 hold the GPU
+                    staged = self._gather(batch, rows), self._indices(batch)
+                    stream = self._slots.get()
+                    try:
+                        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                            scored.update(self._score_batch(dtype, batch, *staged))
+                    finally:
+                        self._slots.put(stream)
+                    batch, rows = [], 0
         return [scored[sid] for sid, *_ in samples]
 
+    def _staging_buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+        """This thread's reused buffer `name` as a [shape] tensor: page-locked for a GPU, so uploads run at the bus's
+        speed and without a stream synchronisation (a pageable `.to(device)` waits for all of the stream's work).
+        Reuse is safe: a batch ends with its host copy, which waits for its uploads."""
+        if self.device.type != "cuda":
+            return torch.empty(shape, dtype=dtype)
+        size = int(np.prod(shape))
+        buffer = getattr(_staging, name, None)
+        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
+            buffer = torch.empty(size + size // 4, dtype=dtype, pin_memory=True)
+            setattr(_staging, name, buffer)
+        return buffer[:size].view(shape)
+
     def _gather(self, batch: list, n: int) -> torch.Tensor:
-        """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps; for a GPU into
-        this thread's page-locked staging buffer (reused: the batch's host copy at the end waits for the
-        upload), so the upload runs at the bus's speed rather than through the driver's pageable bounce.
+        """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps into a staging buffer.
         torch.index_select copies each row once and without the GIL (np.take with `out` copies through a
         buffer of its own: 4-7x slower on 32 KB rows, and 16 scan threads wait for each other's copies)."""
         first = batch[0][1]
-        shape, dtype = (n, *first.shape[1:]), torch.from_numpy(np.empty(0, first.dtype)).dtype
-        if self.device.type != "cuda":
-            rows = torch.empty(shape, dtype=dtype)
-        else:
-            size = int(np.prod(shape))
-            buffer = getattr(_staging, "rows", None)
-            if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-                buffer = _staging.rows = torch.empty(size + size // 4, dtype=dtype, pin_memory=True)
-            rows = buffer[:size].view(shape)
+        rows = self._staging_buffer("rows", (n, *first.shape[1:]), torch.from_numpy(np.empty(0, first.dtype)).dtype)
         at = 0
         with warnings.catch_warnings():  # the memory map is read-only; nothing writes through the tensor view
             warnings.simplefilter("ignore", UserWarning)
@@ -315,7 +329,26 @@ class Coherence:
                 at += len(positions)
         return rows
 
-    def _score_batch(self, dtype: str, batch: list) -> dict[int, SampleScores]:
+    def _indices(self, batch: list) -> torch.Tensor:
+        """Every index the batch's scoring needs, in one staging buffer (one upload): per judged row its token, the
+        previous and next tokens and the next judged row of its sample (the last one's: the sample's first); per
+        exchange-tried row its row and its sample; per sample its tried rows' count."""
+        lengths = np.array([len(item[3]) for item in batch])
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        kept = np.minimum(lengths, EXCHANGE_POSITIONS)
+        following = np.arange(1, int(lengths.sum()) + 1)
+        following[starts + lengths - 1] = starts
+        parts = [np.concatenate([ids.numpy()[positions + shift].astype(np.int64) for _, _, ids, positions, *_ in batch])
+                 for shift in (0, -1)]
+        parts.append(np.concatenate([ids.numpy()[np.minimum(positions + 1, len(ids) - 1)] for _, _, ids, positions, *_ in batch]))
+        parts += [following, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
+                  np.repeat(np.arange(len(batch)), kept), kept]
+        flat = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
+        out = self._staging_buffer("indices", flat.shape, torch.int64)
+        out.copy_(torch.from_numpy(flat))
+        return out
+
+    def _score_batch(self, dtype: str, batch: list, rows: torch.Tensor, indices: torch.Tensor) -> dict[int, SampleScores]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
         layers of the *next* judged position of the same sample, the first layer from the embedding of
@@ -326,19 +359,14 @@ class Coherence:
         L, H = len(self.layer_ids), self.embedding.shape[1]
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        n = int(lengths.sum())
-        # the next judged position of the same sample (the last one's: the sample's first)
-        following = np.arange(1, n + 1)
-        following[starts + lengths - 1] = starts
-        tokens_at, before, after = [], [], []
+        n, kept = int(lengths.sum()), np.minimum(lengths, EXCHANGE_POSITIONS)
+        m = int(kept.sum())
         folds, halves = [item[4] for item in batch], [item[4:] for item in batch]  # the batch is sorted by them
         fold_rows, half_rows = row_spans(folds, starts, starts + lengths), row_spans(halves, starts, starts + lengths)
-        for _, _, ids, positions, *_ in batch:
-            pos = torch.from_numpy(positions)
-            tokens_at.append(ids[pos])
-            before.append(ids[pos - 1])
-            after.append(ids[(pos + 1).clamp_max(len(ids) - 1)])
-        h, x = self.inputs(self._gather(batch, n), dtype, torch.cat(tokens_at))
+        index = indices.to(self.device, non_blocking=True)
+        tokens_at, neighbours, following = index[:n], index[n : 3 * n], index[3 * n : 4 * n]
+        tried, of_sample, kept_rows = index[4 * n : 4 * n + m], index[4 * n + m : 4 * n + 2 * m], index[4 * n + 2 * m :]
+        h, x = self.inputs(rows, dtype, tokens_at)
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
         # next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
@@ -352,9 +380,8 @@ class Coherence:
         pred = from_layers + from_token
         energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
         share = self._shares(h, pred, energy)
-        contrast = self._shares(h, from_layers[torch.from_numpy(following).to(self.device)] + from_token, energy)[:, :L]
+        contrast = self._shares(h, from_layers[following] + from_token, energy)[:, :L]
         first = h[:, 0]  # the first layer from [E, 1] alone
-        neighbours = torch.cat(before + after).to(self.device)
         e = torch.cat([self.embedding[neighbours].float(), x[:, -1:].repeat(2, 1)], 1)
         from_neighbours = torch.empty(2 * n, H, device=self.device)
         for fold, (a, b) in fold_rows.items():
@@ -378,11 +405,8 @@ class Coherence:
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
-            kept = np.minimum(lengths, EXCHANGE_POSITIONS)
             tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
             tried_rows = row_spans(folds, tried_at[:-1], tried_at[1:])
-            tried = torch.from_numpy(np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)])).to(self.device)
-            of_sample = torch.from_numpy(np.repeat(np.arange(len(batch)), kept)).to(self.device)
             given = share[tried, :L].sum(1).clamp_min(1e-30).log()
             ht = h[tried]
             hk = ht.transpose(0, 1)  # [L, k, H]
@@ -393,12 +417,10 @@ class Coherence:
                 correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
             swapped_pred = pred[tried][None] + correction
             swapped_pred = swapped_pred.reshape(L - 1, -1, L + 1, H)[:, :, :L]
-            hx = ht.expand(L - 1, -1, -1, -1).clone()  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
-            for i in range(L - 1):
-                hx[i, :, [i, i + 1]] = hx[i, :, [i + 1, i]]
+            hx = ht[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             swapped = ((hx - swapped_pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(-1)
             gain = (given - swapped.clamp_min(1e-30).log()).T  # [k, L - 1]
-            exchange = exchange.index_add_(0, of_sample, gain) / torch.from_numpy(kept).to(self.device)[:, None]
+            exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         # one host copy for the batch (tests and exchange together)
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
