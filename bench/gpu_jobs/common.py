@@ -122,6 +122,9 @@ WORKLOADS = {
     # the same as the first seed run's (the plan and the ratio compared at equal params), verify on every shard
     # (~30 s of scan at the 0.19 GB/s measured on 2 shards): ~360-400 s for the whole job (BENCHMARKS)
     "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16, "verify_all": True},
+    # "peer" (issue 29, job_peer.py): speculators' data generation and our stage on the same 262,144 tokens of both
+    # lengths (8.6 GB per tool: the disk holds ours and two of theirs beside the models, not the dense workload's too)
+    "peer": {"model": "dense", "len_a": 512, "n_a": 256, "len_b": 2048, "n_b": 64, "samples_per_shard": 16, "verify_all": True},
     # "dvc" (issue 20, bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
     "dvc": {"model": "dense", "len_a": 512, "n_a": 1536, "len_b": 0, "n_b": 0, "samples_per_shard": 16},
 }
@@ -133,6 +136,7 @@ SMOKE_WORKLOADS = {
     "tp": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
     "seed": {"len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4, "verify_all": True},
     "dvc": {"model": "dense", "len_a": 32, "n_a": 24, "len_b": 0, "n_b": 0, "samples_per_shard": 4},
+    "peer": {"model": "dense", "len_a": 32, "n_a": 12, "len_b": 128, "n_b": 4, "samples_per_shard": 4, "verify_all": True},
 }
 
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from gpu_jobs.common import ENGINE, SMOKE_ENGINE, _lengths, layer_ids_of, log, model_of
+from gpu_jobs.gpu_busy import Utilisation
 
 
 def _engine_params(state: dict, name: str):
@@ -117,7 +118,7 @@ def _stage_once(state: dict, name: str, extract) -> dict:
     shutil.rmtree(proj / layout.HIDDEN_STATES_DIR, ignore_errors=True)  # a fresh run, never a resume
     (proj / layout.METRICS / "extract.json").unlink(missing_ok=True)
     t_start = time.monotonic()
-    with contextlib.chdir(proj):
+    with contextlib.chdir(proj), Utilisation() as busy:
         extract.run(params)
     t_end = time.monotonic()
     metrics = json.loads((proj / layout.METRICS / "extract.json").read_text())
@@ -142,6 +143,7 @@ def _stage_once(state: dict, name: str, extract) -> dict:
     last_shard = max(s[1] for s in TL["shards"])
     summary["extraction_s_ready_to_last_shard"] = round(last_shard - ready, 3)
     summary["tok_s_ready_to_last_shard"] = round(metrics["tokens"] / (last_shard - ready), 1)
+    summary["gpu_busy_ready_to_last_shard"] = busy.mean(ready, last_shard)
     ds_lens = _lengths(proj)
     if TL["finished"]:
         # engine-side rate inside each big block of one prompt length (the small head blocks and

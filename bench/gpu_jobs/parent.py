@@ -190,6 +190,8 @@ class Bench:
             else:
                 result["wall_s_incl_process"] = round(wall, 1)
                 result["rc"] = rc
+                if job.startswith("stage:"):  # the extraction's data time, for the checks' ratios (later children)
+                    self.state[f"data_s_{job[6:]}"] = result.get("summary", {}).get("extraction_s_ready_to_last_shard")
                 self.results["jobs"][job] = result
                 log(f"DONE {job} in {wall:.0f} s: {json.dumps(result.get('summary', {}), default=str)[:1500]}")
             out[job] = result
@@ -371,6 +373,28 @@ class Bench:
         self.results["seed"] = seed_figures(self.results["jobs"])
         self.save()
 
+    def run_peer(self) -> None:
+        """Issue 29: our stage, plain prefill and our verify on the peer workload, then speculators' data generation
+        on the same prompts and engine settings (gpu_jobs/job_peer.py)."""
+        from pipeline import layout
+
+        fast = 10 if self.args.smoke else None
+        dense_states = self.work / "project-dense" / layout.HIDDEN_STATES_DIR
+        if dense_states.is_dir():  # 34 GB: the disk holds the peer workload's three copies, not this one beside them
+            log(f"peer: removing {dense_states} (earlier jobs' shards) for the disk")
+            shutil.rmtree(dense_states)
+        if "build:dense" not in self.results["jobs"]:
+            self.child("build:dense", 240, fast or 60)
+            if "build:dense" not in self.results["jobs"]:
+                return
+        self.prepare_project("peer")
+        self.child("stage:peer", 420, fast or 160)
+        if "stage:peer" not in self.results["jobs"]:
+            return
+        self.child("peer:peer", 480, fast or 200)
+        self.child("plain:peer", 300, fast or 90)
+        self.child("verify:peer", 300, fast or 60)
+
     def reuse_previous(self) -> None:
         """--reuse: the steps an earlier call on this warm machine finished under the same --work (their results,
         the projects and the models they made) count as done, so a later call runs only what is new."""
@@ -434,6 +458,8 @@ class Bench:
             self.run_parallel(jobs)
         if "seed" in jobs:
             self.run_seed()
+        if "peer" in jobs:
+            self.run_peer()
         for job, variant in (("dvccost", "copy"), ("dvccost_link", "link")):  # last: they free the disk
             if job in jobs:
                 run_dvc_cost(self, variant)
