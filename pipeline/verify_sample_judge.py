@@ -77,23 +77,29 @@ def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return median, ((x - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
 
 
-def whole_sample_means(scores: list[SampleScores]) -> torch.Tensor:
-    """[N, K]: each sample's mean log score over its judged positions, each position first centred on the run's median
-    at positions of its range [2^k, 2^(k+1)). How well a state is predicted changes with the context before it, so
-    samples of other lengths have other means: on the H200 the MoE shape's 16 clean samples of 512 tokens beside 16 of
-    2,048 (random tokens: a 512-token prompt's states are the first 512 of any) scored 0.27-0.29 against their fold's
-    median of 0.254, and 5 of them failed at z 11.8-17.3 > 6.9. A range with fewer than EARLY_MIN_ROWS judged rows in
-    the run is left as it is."""
+def whole_sample_means(scores: list[SampleScores], folds: list[int]) -> torch.Tensor:
+    """[N, K]: each sample's mean log score over its judged positions, each position first centred on the median of
+    its fold's runs at positions of its range [2^k, 2^(k+1)). How well a state is predicted changes with the context
+    before it, so samples of other lengths have other means: on the H200 the MoE shape's 16 clean samples of 512 tokens
+    beside 16 of 2,048 (random tokens: a 512-token prompt's states are the first 512 of any) scored 0.27-0.29 against
+    their fold's median of 0.254, and 5 of them failed at z 11.8-17.3 > 6.9. Per fold, as the samples are judged
+    (`whole_sample_z`): centred on both folds' medians, every 2,048-token sample of the 8B shape failed (z 42-45), its
+    long positions moved by the other fold's level. A range with fewer than EARLY_MIN_ROWS judged rows in the fold is
+    left as it is."""
     logs = [s.shares.double().clamp_min(1e-30).log() for s in scores]
     ranges = [torch.from_numpy(np.floor(np.log2(np.maximum(s.positions, 1))).astype(np.int64)) for s in scores]
-    every, where = torch.cat(logs), torch.cat(ranges)
-    overall = every.median(0).values
-    offsets = torch.zeros(int(where.max()) + 1, every.shape[1], dtype=torch.float64)
-    for r in where.unique().tolist():
-        rows = where == r
-        if int(rows.sum()) >= EARLY_MIN_ROWS:
-            offsets[r] = every[rows].median(0).values - overall
-    return torch.stack([(lg - offsets[r]).mean(0) for lg, r in zip(logs, ranges, strict=True)])
+    top = max(int(r.max()) for r in ranges) + 1
+    offsets = {}
+    for fold in set(folds):
+        members = [i for i, f in enumerate(folds) if f == fold]
+        every, where = torch.cat([logs[i] for i in members]), torch.cat([ranges[i] for i in members])
+        overall = every.median(0).values
+        offsets[fold] = torch.zeros(top, every.shape[1], dtype=torch.float64)
+        for r in where.unique().tolist():
+            rows = where == r
+            if int(rows.sum()) >= EARLY_MIN_ROWS:
+                offsets[fold][r] = every[rows].median(0).values - overall
+    return torch.stack([(lg - offsets[f][r]).mean(0) for lg, r, f in zip(logs, ranges, folds, strict=True)])
 
 
 def whole_sample_z(whole: torch.Tensor, folds: list[int]) -> torch.Tensor | None:
@@ -172,8 +178,9 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     within_median, within_sigma = robust(torch.cat(local)) if local else (None, None)
     # whole-sample test: each sample's mean log score over all its judged positions (each centred on its range of
     # positions), against the other samples' of its fold
-    whole = whole_sample_means([s for _, s, _ in per_sample])
-    whole_z = whole_sample_z(whole, [coherence.fold(s.sample) for _, s, _ in per_sample])
+    folds = [coherence.fold(s.sample) for _, s, _ in per_sample]
+    whole = whole_sample_means([s for _, s, _ in per_sample], folds)
+    whole_z = whole_sample_z(whole, folds)
     tests = pooled.numel() + sum(w.numel() for w in local) + (whole.numel() if whole_z is not None else 0)
     z_star = -NormalDist().inv_cdf(params.sample_false_alarm / tests)
     within_z = torch.cat([(w - within_median) / within_sigma for w in local]) if local else None
