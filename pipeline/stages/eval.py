@@ -17,6 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pipeline import vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
@@ -186,6 +187,9 @@ def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, ma
 
 def run(params: EvalParams) -> None:
     target = load_target()
+    unservable = vllm_compat.int4_engine_problem(target.path)
+    if unservable:  # before the engine's child starts, not on its first step
+        raise PipelineError(f"eval: {unservable}")
     draft = final_draft()
     prompts = load_prompts(target, params.num_prompts)
     k = params.num_speculative_tokens

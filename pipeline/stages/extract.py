@@ -59,6 +59,9 @@ def _run(params: ExtractParams, cluster=None) -> None:
     t0 = time.monotonic()
     target = load_target()
     layer_ids = resolve_layer_ids(params.layer_ids, target.num_layers)
+    unservable = None if cluster else vllm_compat.int4_engine_problem(target.path)  # (Ray replicas: GPUs)
+    if unservable:  # before the output directory is touched, not on the engine's first step
+        raise PipelineError(f"extract: {unservable}")
     ds, seq_lens = open_prepared()
     max_pos = target.config.get("text_config", target.config).get("max_position_embeddings")
     if len(seq_lens) and max_pos and int(max(seq_lens)) > max_pos:
