@@ -31,7 +31,9 @@ import contextlib
 import queue
 import random
 import threading
+import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -267,10 +269,13 @@ class Coherence:
         return self.score_samples([(sid, hidden, dtype, ids)])[0]
 
     @torch.inference_mode()
-    def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]]) -> list[SampleScores]:
+    def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
+                      timed: Callable[[str, float], float] | None = None) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
         shard's samples are scored together, one batch of judged rows (up to BATCH_ROWS) sorted by fold and half, so
-        a GPU runs a few large products per shard instead of a dozen small kernels per sample."""
+        a GPU runs a few large products per shard instead of a dozen small kernels per sample. `timed` (e.g.
+        `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
+        lap = timed or (lambda _key, _since: time.perf_counter())
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
         groups: dict[str, list] = {}
@@ -292,13 +297,17 @@ class Coherence:
                 rows += len(item[3])
                 if rows >= BATCH_ROWS or item is group[-1]:
                     # the host's part first, outside a slot: 16 scan threads copy rows at once, 4 hold the GPU
+                    t = time.perf_counter()
                     staged = self._gather(batch, rows), self._indices(batch)
+                    t = lap("coherence_stage", t)
                     stream = self._slots.get()
+                    t = lap("coherence_slot_wait", t)
                     try:
                         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                             scored.update(self._score_batch(dtype, batch, *staged))
                     finally:
                         self._slots.put(stream)
+                        lap("coherence_compute", t)
                     batch, rows = [], 0
         return [scored[sid] for sid, *_ in samples]
 
@@ -370,12 +379,13 @@ class Coherence:
         # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
         # next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
-        from_layers = torch.empty(n, (L + 1) * H, device=self.device)
+        # (the first layer's prediction from E alone, the last H columns, has no layer inputs: from_layers' part is 0)
+        from_layers = torch.zeros(n, (L + 1) * H, device=self.device)
         from_token = torch.empty_like(from_layers)
         flat = h.flatten(1)
         for fold, (a, b) in fold_rows.items():
             weights = self._compute_weights(fold)[0]
-            from_layers[a:b] = self._predict(flat[a:b], weights[: L * H])
+            from_layers[a:b, : L * H] = self._predict(flat[a:b], weights[: L * H, : L * H])
             from_token[a:b] = self._predict(x[a:b, L * H :], weights[L * H :])
         pred = from_layers + from_token
         energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
@@ -411,12 +421,12 @@ class Coherence:
             ht = h[tried]
             hk = ht.transpose(0, 1)  # [L, k, H]
             step = hk[1:] - hk[:-1]
-            correction = torch.empty(L - 1, step.shape[1], (L + 1) * H, device=self.device)
+            correction = torch.empty(L - 1, step.shape[1], L * H, device=self.device)  # the layers' targets only
             for fold, (a, b) in tried_rows.items():
-                differences = self._compute_weights(fold)[1]
+                differences = self._compute_weights(fold)[1][:, :, : L * H]
                 correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
-            swapped_pred = pred[tried][None] + correction
-            swapped_pred = swapped_pred.reshape(L - 1, -1, L + 1, H)[:, :, :L]
+            swapped_pred = pred[tried][:, : L * H][None] + correction
+            swapped_pred = swapped_pred.reshape(L - 1, -1, L, H)
             hx = ht[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             swapped = ((hx - swapped_pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(-1)
             gain = (given - swapped.clamp_min(1e-30).log()).T  # [k, L - 1]

@@ -335,7 +335,7 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
     if to_score:  # the shard's samples in one batch
         t = time.perf_counter()
-        scan.sample_scores.extend(ctx.coherence.score_samples(to_score))
+        scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed))
         scan.timed("sample_coherence", t)
     scan.masked_positions = sum(p.numel() for _, p, _ in masked)
     chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
