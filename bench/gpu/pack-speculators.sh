@@ -43,6 +43,9 @@ PACKAGES=(
   "speculators==$SPEC_VERSION" hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19
   loguru==0.7.3 openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 jiter==0.19.0 sniffio==1.3.1
   pydantic-settings==2.16.3 python-dotenv==1.2.4 truststore==0.10.5
+  # vLLM's OpenAI server (the peer job's `vllm serve`) imports uvicorn; the vLLM pack lacks it (2026-12-03: the
+  # server exited "No module named 'uvicorn'"); h11, click and anyio are on the image
+  uvicorn==0.55.0
 )
 
 WORK=${WORK:-$(mktemp -d)}
