@@ -1,6 +1,7 @@
 """Write-then-rename helpers: a final path holds a complete file or nothing.
 
-A crash (even kill -9) mid-write leaves only a `.tmp-*` sibling, which the next run removes.
+A crash (even kill -9) mid-write leaves only a `.tmp-*` sibling, which the next run removes (and
+safetensors' own: 0.8's save_file writes a `.tmpXXXXXX` beside the path it is given, then renames it).
 Temp files and directories get the modes a plain open()/mkdir() would (0666/0777 less the umask),
 not tempfile's owner-only 0600/0700: outputs are read by the group (teammates, a container's uid).
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -16,6 +18,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 TMP_MARK = ".tmp-"
+# Rust's tempfile crate's default name, which safetensors 0.8's save_file writes into before its rename
+SAFETENSORS_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
+
+
+def is_temp(name: str) -> bool:
+    """Whether `name` is a write in progress (ours or safetensors'), never a finished output."""
+    return TMP_MARK in name or SAFETENSORS_TEMP.fullmatch(name) is not None
 
 
 def process_umask() -> int:
@@ -114,7 +123,7 @@ def remove_stale_temps(directory: Path) -> int:
     n = 0
     if directory.is_dir():
         for p in directory.iterdir():
-            if TMP_MARK in p.name:
+            if is_temp(p.name):
                 shutil.rmtree(p) if p.is_dir() else p.unlink()
                 n += 1
     return n

@@ -30,7 +30,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pipeline import layout
-from pipeline.atomic import TMP_MARK, remove_stale_temps
+from pipeline.atomic import TMP_MARK, is_temp, remove_stale_temps
 from pipeline.errors import PipelineError
 
 PARTIAL_DIR = layout.ARTIFACTS / ".partial"
@@ -112,10 +112,10 @@ class OutputMirror:
         current = {}
         with os.scandir(self.out) as it:
             for e in it:
-                if TMP_MARK not in e.name and e.is_file(follow_symlinks=False):
+                if not is_temp(e.name) and e.is_file(follow_symlinks=False):
                     with contextlib.suppress(FileNotFoundError):
                         current[e.name] = e.inode()
-        linked = {e.name: e.inode() for e in os.scandir(self.work) if TMP_MARK not in e.name}
+        linked = {e.name: e.inode() for e in os.scandir(self.work) if not is_temp(e.name)}
         for name in linked.keys() - current.keys():
             (self.work / name).unlink(missing_ok=True)
         for name, ino in current.items():

@@ -35,7 +35,7 @@ import torch
 import yaml
 
 from pipeline import layout, shards
-from pipeline.atomic import TMP_MARK
+from pipeline.atomic import SAFETENSORS_TEMP, TMP_MARK, is_temp
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
 from tests.kill_from_outside import Run, kill_at_file, kill_at_line, run_to_end
@@ -51,7 +51,8 @@ def complete_indices(hs: Path) -> set[int]:
 
 
 def torn_writes(hs: Path) -> list[Path]:
-    return [p for p in hs.iterdir() if ".safetensors" + TMP_MARK in p.name]
+    # ours, and safetensors' own: 0.8's save_file writes `.tmpXXXXXX` and renames it onto our .tmp- path
+    return [p for p in hs.iterdir() if ".safetensors" + TMP_MARK in p.name or SAFETENSORS_TEMP.fullmatch(p.name)]
 
 
 def orphans(hs: Path) -> list[Path]:
@@ -63,7 +64,7 @@ def check_after_kill(hs: Path) -> None:
     files without a manifest (an interrupted shard, deleted by the rerun); nothing else."""
     for p in hs.iterdir():
         name = p.name
-        if TMP_MARK in name or name == shards.META_FILE:
+        if is_temp(name) or name == shards.META_FILE:
             continue
         assert name.startswith("shard-") and p.suffix in (".safetensors", ".json"), name
         if p.suffix == ".json":
@@ -134,6 +135,9 @@ def test_kill9_at_observed_points_then_resume(extracted: Path, project_root: Pat
     if not hit["torn write"]:
         data = real_shard(extracted, hs, todo[0], tmp_path / "torn").read_bytes()
         (hs / f"{shards.shard_name(todo[0])}{TMP_MARK}made").write_bytes(data[: len(data) // 2])
+    if not any(SAFETENSORS_TEMP.fullmatch(p.name) for p in hs.iterdir()):  # safetensors' temp, killed mid-write
+        data = real_shard(extracted, hs, todo[0], tmp_path / "torn-st").read_bytes()
+        (hs / ".tmpQx7Zk2").write_bytes(data[: len(data) // 3])
     if not hit["data without manifest"]:
         shutil.copy2(real_shard(extracted, hs, todo[1], tmp_path / "orphan"), hs / shards.shard_name(todo[1]))
     check_after_kill(hs)
@@ -162,7 +166,7 @@ def test_kill9_at_observed_points_then_resume(extracted: Path, project_root: Pat
     r = run_to_end(proj, "extract")
     assert r.returncode == 0, r.log[-3000:]
     assert not hs.is_symlink() and not (proj / "artifacts" / ".partial").exists()
-    assert not [p for p in hs.iterdir() if TMP_MARK in p.name]
+    assert not [p for p in hs.iterdir() if is_temp(p.name)]
     metrics = json.loads((proj / layout.METRICS / "extract.json").read_text())
     assert (metrics["shards_written"], metrics["shards_resumed"]) == (0, NUM_SHARDS), kills
 
