@@ -12,22 +12,27 @@ from pathlib import Path
 from gpu_jobs.common import log
 from gpu_jobs.job_verify import _run_verify
 
-# verify's modes on the same data: every shard read in full (what verify did before the extractor
-# recorded statistics), the per-shard next-token check on 2,048 sampled positions per shard, and
-# as a user runs it (defaults: values from the extractor's records, sha256 + statistics re-derived
-# on the audit sample, every masked position through lm_head)
-# (the first run pays the process's one-time imports and CUDA set-up, so the default runs last)
+# verify's modes on the same data: as a user runs it (defaults: values from the extractor's records, sha256 +
+# statistics re-derived on the audit sample, check 4 on a seeded 2,048 masked positions per shard), and what the
+# environment below adds (every shard read in full, every masked position, strides, threads, GPU slots, a profile)
 VERIFY_MODES = {  # "default" first in this process: it pays the process's first CUDA calls, as `make verify` does
     "default": {},
     "default_again": {},
-    "sampled_positions": {"final_state_positions_per_shard": 2048},
 }
+if os.environ.get("VERIFY_EVERY_POSITION") == "1":  # check 4 on every masked position (the default: a seeded 2,048)
+    VERIFY_MODES["every_position"] = {"final_state_positions_per_shard": None}
 if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
     VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
 for stride in filter(None, os.environ.get("VERIFY_SAMPLE_STRIDES", "").split(",")):  # the per-sample tests' cost per judged byte
     VERIFY_MODES[f"sample_stride_{stride}"] = {"sample_stride": int(stride)}
 for workers in filter(None, os.environ.get("VERIFY_WORKERS", "").split(",")):  # how the scan scales with its threads
     VERIFY_MODES[f"workers_{workers}"] = {"workers": int(workers)}
+for slots in filter(None, os.environ.get("VERIFY_SCORING_SLOTS", "").split(",")):  # GPU streams the scoring threads share
+    VERIFY_MODES[f"scoring_slots_{slots}"] = {"_scoring_slots": int(slots)}
+if os.environ.get("VERIFY_SWITCH_INTERVAL"):  # the GIL's switch interval (s; Python's default 0.005) during the run
+    VERIFY_MODES[f"switch_interval_{os.environ['VERIFY_SWITCH_INTERVAL']}"] = {"_switch_interval": float(os.environ["VERIFY_SWITCH_INTERVAL"])}
+if os.environ.get("VERIFY_TORCH_PROFILE") == "1":  # the scan's CUDA kernels: their total and their union against its wall
+    VERIFY_MODES["kernel_profile"] = {"_kernel_profile": True}
 if os.environ.get("VERIFY_TORCH_THREADS"):  # torch's intra-op threads (CPU ops of 16 scan threads may oversubscribe)
     VERIFY_MODES[f"torch_threads_{os.environ['VERIFY_TORCH_THREADS']}"] = {"_torch_threads": int(os.environ["VERIFY_TORCH_THREADS"])}
 # any other modes, as JSON {"name": {verify param: value}}, e.g. '{"check4_256": {"final_state_positions_per_shard": 256}}'
@@ -125,6 +130,51 @@ def head_microbench(ref) -> dict:
     return out
 
 
+def kernel_profile(prof) -> dict:
+    """The profiled scan's CUDA work: kernel and copy time summed over streams, the union of their intervals (the
+    time the GPU had any of it running), and the kernels that took most."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    union, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b > end:
+            union += b - max(a, end)
+            end = b
+    by_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            row = by_name.setdefault(e.name[:80], [0, 0.0])
+            row[0] += 1
+            row[1] += e.time_range.end - e.time_range.start
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:15]
+    return {"gpu_work_s": round(sum(b - a for a, b in spans) / 1e6, 3), "gpu_any_busy_s": round(union / 1e6, 3),
+            "gpu_ops": len(spans), "first_to_last_s": round((spans[-1][1] - spans[0][0]) / 1e6, 3) if spans else None,
+            "top": [{"name": k, "count": v[0], "s": round(v[1] / 1e6, 4)} for k, v in top]}
+
+
+def profiling_scan(verify, timings: dict) -> None:
+    """Wrap the (already timed) check_structure_and_values in a CUDA-only torch profiler for one run."""
+    import torch
+
+    timed = verify.check_structure_and_values
+
+    def profiled(*a, **kw):
+        verify.check_structure_and_values = timed
+        if not torch.cuda.is_available():
+            timings["kernels"] = {"skipped": "no GPU"}
+            return timed(*a, **kw)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            r = timed(*a, **kw)
+        try:
+            timings["kernels"] = kernel_profile(prof)
+        except Exception as e:  # a bench summary: the run's verdict and wall stand without it
+            timings["kernels"] = {"error": repr(e)[:300]}
+        return r
+
+    verify.check_structure_and_values = profiled
+
+
 def watch_fit_memory(timings: dict) -> None:
     """The coherence fit's GPU memory (its Gram matrices), into `timings`: allocated before it, its peak above that,
     and what it leaves allocated (the references may load beside it: their growth is in the peak too)."""
@@ -200,13 +250,23 @@ def job_verify_all(state: dict, name: str) -> dict:
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
     import torch
 
+    from pipeline import verify_samples
+
     for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
         timings.clear()
         params = dict(params)
         threads_before = torch.get_num_threads()
         torch.set_num_threads(params.pop("_torch_threads", threads_before))
+        slots_before = verify_samples.SCORING_SLOTS
+        verify_samples.SCORING_SLOTS = params.pop("_scoring_slots", slots_before)
+        if params.pop("_kernel_profile", False):
+            profiling_scan(verify, timings)
+        interval_before = sys.getswitchinterval()
+        sys.setswitchinterval(params.pop("_switch_interval", interval_before))
         failed, verify_s = _run_verify(proj, **params)
+        sys.setswitchinterval(interval_before)
         torch.set_num_threads(threads_before)
+        verify_samples.SCORING_SLOTS = slots_before
         metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
         (Path(state["out"]) / f"verifyall_{name}_{mode}_report.md").write_text((proj / "reports/verify/report.md").read_text())
         scan_s = timings.get("check_structure_and_values_s")
@@ -247,7 +307,7 @@ def job_verify_all(state: dict, name: str) -> dict:
     meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
     preloaded = reference.load_references(Path(model_dir), meta["dtype"])
     verify.load_references = lambda *a, **k: preloaded
-    for mode, params in {"references_preloaded": {}, "references_preloaded_sampled_positions": VERIFY_MODES["sampled_positions"]}.items():
+    for mode, params in {"references_preloaded": {}}.items():
         timings.clear()
         failed, verify_s = _run_verify(proj, **params)
         metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
