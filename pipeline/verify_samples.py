@@ -91,12 +91,16 @@ class Coherence:
         self._slots: queue.SimpleQueue = queue.SimpleQueue()  # CUDA streams (None on a CPU) for scoring threads
         self._threads_ready = False
 
-    def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
+    def states(self, rows: np.ndarray | torch.Tensor, dtype: str) -> torch.Tensor:
+        """[P, L, H] rows as stored (bf16 as int16) -> states [P, L, H] fp32 on the device."""
         t = rows if isinstance(rows, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(rows))
         if dtype == "BF16":
             t = t.view(torch.bfloat16)
-        h = t.to(self.device, non_blocking=True).float()
+        return t.to(self.device, non_blocking=True).float()
+
+    def inputs(self, rows: np.ndarray | torch.Tensor, dtype: str, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[P, L, H] rows (bf16 as int16) -> (states [P, L, H] fp32, inputs [P, (L+1)H+1]) on the device."""
+        h = self.states(rows, dtype)
         e = self.embedding[ids.to(self.device)].float()
         ones = torch.ones(h.shape[0], 1, device=self.device)
         return h, torch.cat([h.flatten(1), e, ones], 1)
@@ -375,29 +379,33 @@ class Coherence:
         index = indices.to(self.device, non_blocking=True)
         tokens_at, neighbours, following = index[:n], index[n : 3 * n], index[3 * n : 4 * n]
         tried, of_sample, kept_rows = index[4 * n : 4 * n + m], index[4 * n + m : 4 * n + 2 * m], index[4 * n + 2 * m :]
-        h, x = self.inputs(rows, dtype, tokens_at)
-        # a row's prediction is (its layers) @ W[:LH] + (E, 1) @ W[LH:]: the contrast rows (the other layers of the
-        # next judged position) reuse the first product, the exchange rows correct it with
+        h = self.states(rows, dtype)
+        # a row's prediction is (its layers) @ W[:LH] + E @ W[LH:LH+H] + W[LH+H]: the contrast rows (the other layers
+        # of the next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
-        # (the first layer's prediction from E alone, the last H columns, has no layer inputs: from_layers' part is 0)
+        # (the first layer's prediction from E alone, the last H columns, has no layer inputs: from_layers' part is 0).
+        # The constant row is added, not multiplied in as a column of ones: an inner dimension of H + 1 is odd, and
+        # odd leading dimensions put every product with it on an unaligned GEMM (the H200's profile: a Turing-era
+        # `align1` kernel, 0.87 s of the 8B scan at ~70 TFLOP/s)
         from_layers = torch.zeros(n, (L + 1) * H, device=self.device)
         from_token = torch.empty_like(from_layers)
         flat = h.flatten(1)
+        token = self.embedding[tokens_at].float()
         for fold, (a, b) in fold_rows.items():
             weights = self._compute_weights(fold)[0]
             from_layers[a:b, : L * H] = self._predict(flat[a:b], weights[: L * H, : L * H])
-            from_token[a:b] = self._predict(x[a:b, L * H :], weights[L * H :])
+            from_token[a:b] = self._predict(token[a:b], weights[L * H : L * H + H]) + weights[L * H + H].float()
         pred = from_layers + from_token
         energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
         share = self._shares(h, pred, energy)
         contrast = self._shares(h, from_layers[following] + from_token, energy)[:, :L]
         first = h[:, 0]  # the first layer from [E, 1] alone
-        e = torch.cat([self.embedding[neighbours].float(), x[:, -1:].repeat(2, 1)], 1)
+        e = self.embedding[neighbours].float()
         from_neighbours = torch.empty(2 * n, H, device=self.device)
         for fold, (a, b) in fold_rows.items():
             token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
             for at in (0, n):  # the previous tokens' rows, then the next tokens'
-                from_neighbours[at + a : at + b] = self._predict(e[at + a : at + b], token_weights)
+                from_neighbours[at + a : at + b] = self._predict(e[at + a : at + b], token_weights[:H]) + token_weights[H].float()
         tokens = (first.repeat(2, 1) - from_neighbours).pow(2).sum(-1).reshape(2, n)
         tokens = tokens.min(0).values / first.pow(2).sum(-1).clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)

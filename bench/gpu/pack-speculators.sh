@@ -43,9 +43,11 @@ PACKAGES=(
   "speculators==$SPEC_VERSION" hs-connectors==0.9.0 datasets==5.1.0 dill==0.4.1 multiprocess==0.70.19
   loguru==0.7.3 openai==3.57.0 httpx2==2.16.2 httpcore2==2.16.2 jiter==0.19.0 sniffio==1.3.1
   pydantic-settings==2.16.3 python-dotenv==1.2.4 truststore==0.10.5
-  # vLLM's OpenAI server (the peer job's `vllm serve`) imports uvicorn; the vLLM pack lacks it (2026-12-03: the
-  # server exited "No module named 'uvicorn'"); h11, click and anyio are on the image
-  uvicorn==0.55.0
+  # vLLM 0.26's OpenAI server (the peer job's `vllm serve`) imports these at module level, and the vLLM pack (made for
+  # the offline engine) lacks them: uvicorn (2026-12-03: "No module named 'uvicorn'"), watchfiles (its SSL refresher)
+  # and model-hosting-container-standards (its SageMaker routes; with jmespath and supervisor, which that imports).
+  # Found by a static walk of the server's module-level imports in the 0.26.0 wheel; h11, click, anyio on the image
+  uvicorn==0.55.0 watchfiles==1.1.1 model-hosting-container-standards==0.1.16 jmespath==1.0.1 supervisor==4.3.0
 )
 
 WORK=${WORK:-$(mktemp -d)}
