@@ -25,7 +25,6 @@ from pipeline.embedded.tokenizer import save_tokenizer
 from pipeline.params import EmbeddedModelParams
 from pipeline.progress import progress
 
-
 # conversations (another seed of the corpus generator) the trained target's accuracy is measured on
 UNSEEN_CONVERSATIONS = 64
 
@@ -126,7 +125,7 @@ def assistant_accuracy(model: PreTrainedModel, tok: PreTrainedTokenizerBase, con
     bounds = [*starts.tolist(), len(ids)]
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
     hits = total = 0
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in zip(bounds, bounds[1:], strict=False):
         x, m = ids[a:b].to(device), mask[a + 1 : b].to(device)
         with autocast:
             predicted = model(input_ids=x[None]).logits[0, :-1].argmax(-1)
