@@ -4,8 +4,8 @@ The project lives outside the checkout (`--pipeline-dir`, /tmp/pipeline21 by def
 checkout over on every call, and dvc.lock is tracked there, so a project inside it would lose its state. It is the
 repo's dvc.yaml, pipeline/, data/ and bin/ (copied again on every call: a changed stage's code re-runs that stage,
 as in any checkout), `params.gpu.yaml` as its params.yaml (`--smoke`: the CPU default, params.yaml), `dvc init
---no-scm` (the host has no git), cache.type hardlink,symlink (README "Disk: cache type") and .venv/bin/python linked
-to the bench's interpreter (bin/python would else take any `python` on the host's PATH).
+--no-scm` (the host has no git), cache.type hardlink,symlink (README "Disk: cache type") and a .venv/bin/python that runs
+the bench's interpreter (bin/python would else take any `python` on the host's PATH).
 
 Each stage is its own child step (`pipeline:<stage>`): `python3 -m dvc repro <stage>`, so DVC runs whatever
 upstream of it is stale and skips what is done: a later call on the same warm machine resumes after the last
@@ -59,7 +59,9 @@ def setup_project(proj: Path, params_file: Path, work: Path) -> None:
     venv_python = proj / ".venv" / "bin" / "python"
     venv_python.parent.mkdir(parents=True, exist_ok=True)
     venv_python.unlink(missing_ok=True)
-    venv_python.symlink_to(sys.executable)
+    # a script, not a link: a linked venv python finds no pyvenv.cfg beside the link and loses its site-packages
+    venv_python.write_text(f'#!/bin/sh\nexec {sys.executable} "$@"\n')
+    venv_python.chmod(0o755)
     params = proj / "params.yaml"
     if not params.is_file() or params.read_bytes() != params_file.read_bytes():
         shutil.copy2(params_file, params)
