@@ -49,9 +49,11 @@ def load_prompts(target: Target, n: int) -> list[list[int]]:
 def engine_main(spec: dict) -> dict:
     """Runs in the child process: one vLLM engine, a warm-up, then all prompts in one batch."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["cpu_kvcache_gib"]))
-    import torch
-
-    if not torch.accelerator.is_available():
+    # asked of vLLM, not torch: torch.accelerator / torch.cuda would register torch's fork guard, and the
+    # engine process vLLM forks on a GPU would fail to initialise CUDA (vllm_compat.on_cuda)
+    if vllm_compat.on_cuda():
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the packed GPU tree has no flashinfer
+    else:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ~3 s start instead of ~20 s on CPU
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -130,9 +132,33 @@ def run_engine(spec: dict, label: str) -> dict:
         finally:  # vLLM's engine-core process can outlive its parent, holding (GPU) memory
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            wait_group_exited(proc.pid, label)
         if rc != 0 or not out_path.is_file():
             raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its log is above")
         return json.loads(out_path.read_text())
+
+
+def wait_group_exited(pgid: int, label: str, timeout_s: float = 120.0) -> None:
+    """SIGKILL is asynchronous: a killed engine's processes, and the GPU memory they hold, can linger for
+    seconds, and the next engine would then find less free memory than eval.gpu_memory_utilization asks
+    (../shared/gpu/README.md, pitfall 7). Exited (zombie) processes hold none."""
+    deadline = time.monotonic() + timeout_s
+    while _live_members(pgid):
+        if time.monotonic() > deadline:
+            raise PipelineError(f"the {label} vLLM engine's processes (group {pgid}) were still alive {timeout_s:.0f} s "
+                                "after SIGKILL; the next engine would not find its GPU memory free")
+        time.sleep(0.2)
+
+
+def _live_members(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # exited while being read
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def reconcile(train_metrics: dict | None, accept: list[float], max_gap: float) -> list[dict]:
