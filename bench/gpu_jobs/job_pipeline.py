@@ -132,8 +132,8 @@ def job_pipeline(state: dict, stage: str) -> dict:
         "cmds_run": len(cmds),  # 0: DVC found the stage (and its upstream) done and ran nothing
         "cmd_wall_s": cmds,
         "dvc_own_s": round(wall - sum(cmds), 2),
-        # what the stage records of its own wall, where it does (model, regenerate, extract)
-        "stage_wall_s": metrics.get("wall_s", metrics.get("wall_seconds")),
+        # what the stage records of its own wall, where it does (model, extract); none when DVC skipped it
+        "stage_wall_s": metrics.get("wall_s", metrics.get("wall_seconds")) if cmds else None,
         "date_unix": round(t0),
     }
     timings_file = proj / TIMINGS
