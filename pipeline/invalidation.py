@@ -112,6 +112,8 @@ RERUNS: dict[str, Rule] = {
     "train.master_port": tuning("where the torchrun ranks meet; not in the run key"),
     "train.node_rank": tuning("which node this is; each node of a run has its own"),
     "eval.num_speculative_tokens": reruns("eval", why="what is measured: tau at k draft tokens"),
+    "eval.compare_speculative_tokens": reruns("eval", why="what is measured: tau and speed at more k"),
+    "eval.decode_batch_sizes": reruns("eval", why="what is measured: decode speed at these batch sizes"),
     "eval.num_prompts": reruns("eval", why="what is measured: the prompts"),
     "eval.max_tokens": reruns("eval", why="what is measured: tokens generated per prompt"),
     "eval.max_acceptance_gap": reruns("eval", why="the flags in reports/eval.md and metrics/eval.json"),
@@ -119,6 +121,8 @@ RERUNS: dict[str, Rule] = {
     "eval.tensor_parallel_size": tuning(_PARALLEL),
     "eval.gpu_memory_utilization": tuning(_ENGINE),
     "eval.cpu_kvcache_gib": tuning(_ENGINE),
+    "eval.enforce_eager": tuning("engine tuning: the same greedy outputs, compiled or not; its tokens/s are a record "
+                                 "of the run, like the machine's"),
     "plan.calibration_samples": tuning("read by `python -m pipeline plan` only; no stage"),
     "plan.write_gb_per_s": tuning("read by `python -m pipeline plan` only; no stage"),
     "runtime.image": reruns(*STAGES, why="the container's vLLM, torch and speculators run every stage"),

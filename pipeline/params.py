@@ -300,6 +300,14 @@ class TrainParams(_Section):
 
 class EvalParams(_Section):
     num_speculative_tokens: int = Field(3, ge=1)
+    compare_speculative_tokens: list[int] = Field(
+        [], description="More k values, each in an engine of its own: tau, acceptance per position and tokens/s beside "
+        "num_speculative_tokens' (whose figures stay the headline and the reconciliation's flags); [] = none."
+    )
+    decode_batch_sizes: list[int] = Field(
+        [], description="Batch sizes whose decode throughput every engine (each k, and the plain one) times after the "
+        "held-out batch: all held-out prompts, cycled to whole batches, in generate calls of that many; [] = none."
+    )
     num_prompts: int = Field(64, ge=1)
     max_tokens: int = Field(64, ge=1)
     max_acceptance_gap: float = Field(
@@ -311,6 +319,26 @@ class EvalParams(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kvcache_gib: int = Field(1, ge=1, description="VLLM_CPU_KVCACHE_SPACE on CPU.")
+    enforce_eager: bool = Field(
+        True, description="vLLM without CUDA graphs or torch.compile (fast start-up; on CPU the tested path). false: the "
+        "compiled, graph-captured engine a GPU serves with, whose small-batch decode speed is the one to compare."
+    )
+
+    @field_validator("compare_speculative_tokens", "decode_batch_sizes")
+    @classmethod
+    def _positive_distinct(cls, v: list[int], info) -> list[int]:
+        if any(x < 1 for x in v) or len(set(v)) != len(v):
+            raise ValueError(f"eval.{info.field_name} must hold distinct values >= 1: {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _k_once(self) -> EvalParams:
+        if self.num_speculative_tokens in self.compare_speculative_tokens:
+            raise ValueError(
+                f"eval.compare_speculative_tokens holds eval.num_speculative_tokens ({self.num_speculative_tokens}), "
+                "which is always measured: remove it from the list"
+            )
+        return self
 
 
 # The base image the GPU container builds FROM, pinned by tag and digest (docker/Dockerfile): the

@@ -19,7 +19,8 @@ from tests.tiny_project import make_project
 
 pytestmark = pytest.mark.slow
 K = 2
-EVAL = {"num_speculative_tokens": K, "num_prompts": 8, "max_tokens": 24, "max_acceptance_gap": 0.2}
+EVAL = {"num_speculative_tokens": K, "num_prompts": 8, "max_tokens": 24, "max_acceptance_gap": 0.2,
+        "compare_speculative_tokens": [1], "decode_batch_sizes": [1, 4]}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +39,22 @@ def test_eval_reports_tau_and_per_position_acceptance(evaluated: Path) -> None:
     assert m["num_prompts"] == 8 and m["spec_tokens_per_s"] > 0 and m["baseline_tokens_per_s"] > 0
     assert m["outputs_identical"] == m["num_prompts"], "greedy outputs must not change with speculation"
     assert m["draft_epoch"] == 2
+
+
+def test_every_k_and_batch_size_is_measured_in_an_engine_of_its_own(evaluated: Path) -> None:
+    m = json.loads((evaluated / eval_stage.EVAL_METRICS).read_text())
+    assert list(m["by_k"]) == [str(K), "1"]
+    head = m["by_k"][str(K)]
+    assert head["tau"] == m["tau"] and head["acceptance_per_position"] == m["acceptance_per_position"]
+    one = m["by_k"]["1"]
+    assert len(one["acceptance_per_position"]) == 1 and one["tau"] == pytest.approx(1 + one["acceptance_per_position"][0])
+    assert one["outputs_identical"] == m["num_prompts"]
+    assert list(m["decode"]) == ["1", "4"] and m["decode"]["1"]["requests"] == m["decode"]["4"]["requests"] == 8
+    for row in m["decode"].values():
+        assert row["plain_tokens_per_s"] > 0
+        assert row[f"k{K}_speedup"] == pytest.approx(row[f"k{K}_tokens_per_s"] / row["plain_tokens_per_s"])
+    report = (evaluated / eval_stage.EVAL_REPORT).read_text()
+    assert "## Every k measured" in report and "## Decode throughput by batch size" in report
 
 
 def test_serving_acceptance_reconciles_with_training_accuracy(evaluated: Path) -> None:

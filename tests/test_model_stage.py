@@ -101,6 +101,8 @@ def test_embedded_model_builds_and_loads(tmp_path, monkeypatch):
     assert tok_config["chat_template"] == (MODEL_DIR / "chat_template.jinja").read_text()
     m = json.loads((tmp_path / "metrics" / "model.json").read_text())
     assert m["steps"] == 5 and m["parameters"] > 0 and m["final_loss"] > 0
+    assert m["device"] == "cpu" and m["precision"] == "float32" and m["train_tokens_per_second"] > 0
+    assert 0 <= m["unseen_assistant_accuracy"] <= 1
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
     lm = AutoModelForCausalLM.from_pretrained(MODEL_DIR)

@@ -1,5 +1,6 @@
 """Bad params fail on load, before any model loads, naming the key and the fix."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,33 @@ def test_deepseek_v3_is_selectable_and_llama_stays_the_default(tmp_path):
     params["model"]["embedded"]["deepseek_v3"]["kv_lora_rank"] = 256  # 256 + 64 = 320: also a head size vLLM runs
     path.write_text(yaml.safe_dump(params))
     assert load_params(path).model.embedded.deepseek_v3.kv_lora_rank == 256
+
+
+def _leaves(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out |= _leaves(v, f"{prefix}{k}.") if isinstance(v, dict) else {f"{prefix}{k}": v}
+    return out
+
+
+# the GPU profile (issue 21): what it changes against params.yaml, and nothing else
+GPU_PROFILE = {
+    "model.embedded.num_layers": 16, "model.embedded.hidden_size": 2048, "model.embedded.num_heads": 16,
+    "model.embedded.num_kv_heads": 8, "model.embedded.intermediate_size": 5632, "model.embedded.train_steps": 400,
+    "model.embedded.train_batch_size": 64, "model.embedded.train_seq_len": 512, "model.embedded.lr": 0.0003,
+    "data.regenerate.enabled": True, "data.regenerate.dtype": "bfloat16", "extract.dtype": "bfloat16",
+    "train.hidden_states_dtype": "bfloat16", "eval.compare_speculative_tokens": [5], "eval.decode_batch_sizes": [1, 32],
+    "eval.dtype": "bfloat16", "eval.enforce_eager": False,
+}
+
+
+def test_the_gpu_profile_is_checked_and_differs_from_params_yaml_only_where_meant():
+    proc = subprocess.run([sys.executable, "-m", "pipeline", "--params", "params.gpu.yaml", "check-params"],
+                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "params.gpu.yaml: ok" in proc.stdout, proc.stdout + proc.stderr
+    base = _leaves(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    gpu = _leaves(yaml.safe_load((ROOT / "params.gpu.yaml").read_text()))
+    assert set(gpu) == set(base)
+    assert {k: v for k, v in gpu.items() if v != base[k]} == GPU_PROFILE
+    p = load_params(ROOT / "params.gpu.yaml")
+    assert p.extract.layer_ids is None and p.eval.num_speculative_tokens == 3 and p.model.embedded.vocab_size == 1024

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from gpu_jobs.common import CLI, REPO, RUNS, SMOKE_WORKLOADS, T0, WORKLOADS, log, shape_of
 from gpu_jobs.job_dvc import run_dvc_cost
+from gpu_jobs.job_pipeline import run_pipeline
 from gpu_jobs.summary import summarize, tail
 
 # ---------------------------------------------------------------------------- parent side
@@ -460,6 +461,8 @@ class Bench:
             self.run_seed()
         if "peer" in jobs:
             self.run_peer()
+        if "pipeline" in jobs:
+            run_pipeline(self)
         for job, variant in (("dvccost", "copy"), ("dvccost_link", "link")):  # last: they free the disk
             if job in jobs:
                 run_dvc_cost(self, variant)

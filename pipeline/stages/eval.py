@@ -49,9 +49,11 @@ def load_prompts(target: Target, n: int) -> list[list[int]]:
 def engine_main(spec: dict) -> dict:
     """Runs in the child process: one vLLM engine, a warm-up, then all prompts in one batch."""
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(spec["cpu_kvcache_gib"]))
-    import torch
-
-    if not torch.accelerator.is_available():
+    # asked of vLLM, not torch: torch.accelerator / torch.cuda would register torch's fork guard, and the
+    # engine process vLLM forks on a GPU would fail to initialise CUDA (vllm_compat.on_cuda)
+    if vllm_compat.on_cuda():
+        os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the packed GPU tree has no flashinfer
+    else:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ~3 s start instead of ~20 s on CPU
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -64,7 +66,7 @@ def engine_main(spec: dict) -> dict:
         **mla,
         model=spec["target"],
         speculative_config=spec["speculative_config"],
-        enforce_eager=True,
+        enforce_eager=spec["enforce_eager"],
         dtype=spec["dtype"],
         max_model_len=spec["max_model_len"],
         tensor_parallel_size=spec["tensor_parallel_size"],
@@ -84,8 +86,24 @@ def engine_main(spec: dict) -> dict:
     tokens = [list(o.outputs[0].token_ids) for o in outputs]
     n_tokens = sum(map(len, tokens))
     spec_counts = {k: _minus(v, before.get(k)) for k, v in after.items()}  # without the warm-up's drafts
+    decode = {str(b): _timed_batches(llm, prompts, b, greedy) for b in spec["decode_batch_sizes"]}
     return {"tokens": tokens, "seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds,
-            "spec": spec_counts}
+            "spec": spec_counts, "decode": decode}
+
+
+def _timed_batches(llm, prompts: list, batch: int, sampling) -> dict:
+    """Every prompt, cycled to whole batches, in generate calls of `batch` requests each. The prompts ran
+    once already, so with prefix caching on (vLLM's GPU default) their prefill is mostly a cache hit: the
+    time is decode's, in the speculative engine and the plain one alike."""
+    n = -(-max(len(prompts), batch) // batch) * batch
+    requests = [prompts[i % len(prompts)] for i in range(n)]
+    tokens, seconds = 0, 0.0
+    for i in range(0, n, batch):
+        t0 = time.perf_counter()
+        outputs = llm.generate(requests[i : i + batch], sampling, use_tqdm=False)
+        seconds += time.perf_counter() - t0
+        tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
+    return {"batch_size": batch, "requests": n, "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
 
 
 def _minus(a: int | list[int], b: int | list[int] | None) -> int | list[int]:
@@ -114,9 +132,33 @@ def run_engine(spec: dict, label: str) -> dict:
         finally:  # vLLM's engine-core process can outlive its parent, holding (GPU) memory
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
+            wait_group_exited(proc.pid, label)
         if rc != 0 or not out_path.is_file():
             raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its log is above")
         return json.loads(out_path.read_text())
+
+
+def wait_group_exited(pgid: int, label: str, timeout_s: float = 120.0) -> None:
+    """SIGKILL is asynchronous: a killed engine's processes, and the GPU memory they hold, can linger for
+    seconds, and the next engine would then find less free memory than eval.gpu_memory_utilization asks
+    (../shared/gpu/README.md, pitfall 7). Exited (zombie) processes hold none."""
+    deadline = time.monotonic() + timeout_s
+    while _live_members(pgid):
+        if time.monotonic() > deadline:
+            raise PipelineError(f"the {label} vLLM engine's processes (group {pgid}) were still alive {timeout_s:.0f} s "
+                                "after SIGKILL; the next engine would not find its GPU memory free")
+        time.sleep(0.2)
+
+
+def _live_members(pgid: int) -> bool:
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _ppid, group = stat.read_text().rsplit(")", 1)[1].split()[:3]
+        except (OSError, IndexError):
+            continue  # exited while being read
+        if int(group) == pgid and state != "Z":
+            return True
+    return False
 
 
 def reconcile(train_metrics: dict | None, accept: list[float], max_gap: float) -> list[dict]:
@@ -181,8 +223,70 @@ def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, ma
             "on the target's own greedy text, walked like vLLM's draft/verify loop, matches vLLM's acceptance when the "
             "serving path feeds the draft as training did.",
         ]
+    lines += _more_k_lines(metrics) + _decode_lines(metrics)
     lines.append("")
     atomic_write_text(EVAL_REPORT, "\n".join(lines))
+
+
+def _more_k_lines(metrics: dict) -> list[str]:
+    if len(metrics.get("by_k", {})) < 2:
+        return []
+    f = _fmt
+    lines = ["", "## Every k measured (one engine each)", "",
+             "| k | tau | predicted from training | acceptance per position | tokens/s | speedup | identical |",
+             "|---|---|---|---|---|---|---|"]
+    for k, m in metrics["by_k"].items():
+        accept = ", ".join(f"{a:.3f}" for a in m["acceptance_per_position"])
+        lines.append(f"| {k} | {m['tau']:.3f} | {f(m['tau_predicted_from_training'])} | {accept} | {m['tokens_per_s']:.1f} | "
+                     f"x{m['speedup']:.2f} | {m['outputs_identical']}/{metrics['num_prompts']} |")
+    return lines
+
+
+def _decode_lines(metrics: dict) -> list[str]:
+    if not metrics.get("decode"):
+        return []
+    ks = list(metrics["by_k"])
+    lines = ["", "## Decode throughput by batch size (generated tokens/s, each engine timing its own batches)", "",
+             "| batch | requests | plain | " + " | ".join(f"k = {k}" for k in ks) + " |",
+             "|---|---|---|" + "---|" * len(ks)]
+    for b, row in metrics["decode"].items():
+        cells = " | ".join(f"{row[f'k{k}_tokens_per_s']:.1f} (x{row[f'k{k}_speedup']:.2f})" for k in ks)
+        lines.append(f"| {b} | {row['requests']} | {row['plain_tokens_per_s']:.1f} | {cells} |")
+    return lines
+
+
+def per_k(result: dict, k: int, plain: dict, train_metrics: dict | None, max_gap: float) -> dict:
+    """One speculative engine's figures: tau, acceptance per position against training, speed, fidelity."""
+    counts = result["spec"]
+    drafts = counts.get("num_drafts", 0)
+    if not drafts:
+        raise PipelineError(f"vLLM reported no speculative drafts at k = {k}: speculative decoding did not run")
+    accept = [a / drafts for a in counts["num_accepted_tokens_per_pos"][:k]]
+    rows = reconcile(train_metrics, accept, max_gap)
+    predicted = 1 + sum(r["train_full_acc"] for r in rows) if all(r["train_full_acc"] is not None for r in rows) else None
+    return {
+        "tau": 1 + counts["num_accepted_tokens"] / drafts,
+        "tau_predicted_from_training": predicted,
+        "acceptance_per_position": accept,
+        "draft_token_acceptance_rate": counts["num_accepted_tokens"] / max(counts["num_draft_tokens"], 1),
+        "num_drafts": drafts,
+        "tokens_per_s": result["tokens_per_s"],
+        "speedup": result["tokens_per_s"] / plain["tokens_per_s"],
+        "outputs_identical": sum(a == b for a, b in zip(result["tokens"], plain["tokens"], strict=True)),
+        "rows": rows,
+    }
+
+
+def decode_table(spec: dict[int, dict], plain: dict) -> dict:
+    """Per batch size: the plain engine's decode tokens/s and each k's, with its speedup."""
+    out = {}
+    for b, base in plain["decode"].items():
+        row = {"plain_tokens_per_s": base["tokens_per_s"], "requests": base["requests"]}
+        for k, result in spec.items():
+            row[f"k{k}_tokens_per_s"] = result["decode"][b]["tokens_per_s"]
+            row[f"k{k}_speedup"] = result["decode"][b]["tokens_per_s"] / base["tokens_per_s"]
+        out[b] = row
+    return out
 
 
 def run(params: EvalParams) -> None:
@@ -193,52 +297,55 @@ def run(params: EvalParams) -> None:
     draft = final_draft()
     prompts = load_prompts(target, params.num_prompts)
     k = params.num_speculative_tokens
+    ks = [k, *params.compare_speculative_tokens]
     max_pos = int(target.config.get("text_config", target.config).get("max_position_embeddings", 1 << 30))
-    fitting = [p for p in prompts if len(p) + params.max_tokens + k <= max_pos]
+    fitting = [p for p in prompts if len(p) + params.max_tokens + max(ks) <= max_pos]
     if not fitting:
         raise PipelineError(f"no held-out prompt fits the target's {max_pos} positions with eval.max_tokens={params.max_tokens}")
     base = {
         "target": str(target.path), "prompts": fitting, "max_tokens": params.max_tokens,
-        "max_model_len": max(map(len, fitting)) + params.max_tokens + k,
+        "max_model_len": max(map(len, fitting)) + params.max_tokens + max(ks),
         "tensor_parallel_size": params.tensor_parallel_size, "gpu_memory_utilization": params.gpu_memory_utilization,
         "cpu_kvcache_gib": params.cpu_kvcache_gib, "dtype": params.dtype, "trust_remote_code": target.trust_remote_code,
+        "enforce_eager": params.enforce_eager, "decode_batch_sizes": params.decode_batch_sizes,
     }
-    spec = run_engine({**base, "speculative_config": {"method": "eagle3", "model": str(draft), "num_speculative_tokens": k}},
-                      "speculative")
+    spec = {}
+    for n in ks:  # one engine per k, each started and stopped on its own
+        config = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": n}
+        spec[n] = run_engine({**base, "speculative_config": config}, f"speculative (k = {n})")
     plain = run_engine({**base, "speculative_config": None}, "baseline")
 
-    counts = spec["spec"]
-    drafts = counts.get("num_drafts", 0)
-    if not drafts:
-        raise PipelineError("vLLM reported no speculative drafts: speculative decoding did not run")
-    accept = [a / drafts for a in counts["num_accepted_tokens_per_pos"][:k]]
     train_metrics = json.loads(TRAIN_METRICS.read_text()) if TRAIN_METRICS.is_file() else None
-    rows = reconcile(train_metrics, accept, params.max_acceptance_gap)
-    predicted = None
-    if train_metrics and all(r["train_full_acc"] is not None for r in rows):
-        predicted = 1 + sum(r["train_full_acc"] for r in rows)
+    by_k = {n: per_k(spec[n], n, plain, train_metrics, params.max_acceptance_gap) for n in ks}
+    head = by_k[k]
+    rows = head.pop("rows")
     metrics = {
         "draft": str(draft),
         "draft_epoch": int(draft.name) if draft.name.isdigit() else None,
         "num_prompts": len(fitting),
         "num_speculative_tokens": k,
         "max_tokens": params.max_tokens,
-        "tau": 1 + counts["num_accepted_tokens"] / drafts,
-        "tau_predicted_from_training": predicted,
-        "acceptance_per_position": accept,
-        "draft_token_acceptance_rate": counts["num_accepted_tokens"] / max(counts["num_draft_tokens"], 1),
-        "num_drafts": drafts,
-        "spec_tokens_per_s": spec["tokens_per_s"],
+        "tau": head["tau"],
+        "tau_predicted_from_training": head["tau_predicted_from_training"],
+        "acceptance_per_position": head["acceptance_per_position"],
+        "draft_token_acceptance_rate": head["draft_token_acceptance_rate"],
+        "num_drafts": head["num_drafts"],
+        "spec_tokens_per_s": head["tokens_per_s"],
         "baseline_tokens_per_s": plain["tokens_per_s"],
-        "speedup": spec["tokens_per_s"] / plain["tokens_per_s"],
-        "outputs_identical": sum(a == b for a, b in zip(spec["tokens"], plain["tokens"], strict=True)),
+        "speedup": head["speedup"],
+        "outputs_identical": head["outputs_identical"],
         "reconciliation_flagged_positions": [r["position"] for r in rows if r["flag"]],
+        "enforce_eager": params.enforce_eager,
+        "by_k": {str(n): {key: v for key, v in m.items() if key != "rows"} for n, m in by_k.items()},
+        "decode": decode_table(spec, plain),
     }
     atomic_write_text(EVAL_METRICS, json.dumps(metrics, indent=1) + "\n")
     write_report(metrics, rows, train_metrics, params.max_acceptance_gap)
-    print(f"[eval] tau {metrics['tau']:.3f}, acceptance {[round(a, 3) for a in accept]}, "
+    print(f"[eval] tau {metrics['tau']:.3f}, acceptance {[round(a, 3) for a in metrics['acceptance_per_position']]}, "
           f"{metrics['spec_tokens_per_s']:.0f} vs {metrics['baseline_tokens_per_s']:.0f} tok/s, "
-          f"identical {metrics['outputs_identical']}/{metrics['num_prompts']}")
+          f"identical {metrics['outputs_identical']}/{metrics['num_prompts']}"
+          + "".join(f"; k = {n}: tau {m['tau']:.3f}" for n, m in by_k.items() if n != k)
+          + "".join(f"; batch {b}: x{row[f'k{k}_speedup']:.2f}" for b, row in metrics["decode"].items()))
 
 
 if __name__ == "__main__":  # the engine child: python -m pipeline.stages.eval SPEC_JSON OUT_JSON
