@@ -163,7 +163,7 @@ def _leaves(d: dict, prefix: str = "") -> dict:
 # the GPU profile (issue 21): what it changes against params.yaml, and nothing else
 GPU_PROFILE = {
     "model.embedded.num_layers": 16, "model.embedded.hidden_size": 2048, "model.embedded.num_heads": 16,
-    "model.embedded.num_kv_heads": 8, "model.embedded.intermediate_size": 5632, "model.embedded.train_steps": 400,
+    "model.embedded.num_kv_heads": 8, "model.embedded.intermediate_size": 5632, "model.embedded.train_steps": 200,
     "model.embedded.train_batch_size": 64, "model.embedded.train_seq_len": 512, "model.embedded.lr": 0.0003,
     "data.regenerate.enabled": True, "data.regenerate.dtype": "bfloat16", "extract.dtype": "bfloat16",
     "train.hidden_states_dtype": "bfloat16", "eval.compare_speculative_tokens": [5], "eval.decode_batch_sizes": [1, 32],
