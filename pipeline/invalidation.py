@@ -107,7 +107,7 @@ RERUNS: dict[str, Rule] = {
     "verify.workers": tuning("threads scanning shards; the same shards give the same findings"),
     **{f"train.{k}": reruns("train", why=_TRAIN) for k in (
         "epochs", "lr", "ttt_steps", "draft_layers", "draft_vocab_size", "max_len", "val_fraction", "seed",
-        "optimizer", "hidden_states_dtype", "nproc_per_node", "nnodes")},  # the per-step batch: nproc x nnodes x max_len
+        "optimizer", "hidden_states_dtype", "loss_implementation", "nproc_per_node", "nnodes")},  # the per-step batch: nproc x nnodes x max_len
     "train.master_addr": tuning("where the torchrun ranks meet; not in the run key"),
     "train.master_port": tuning("where the torchrun ranks meet; not in the run key"),
     "train.node_rank": tuning("which node this is; each node of a run has its own"),

@@ -282,6 +282,11 @@ class TrainParams(_Section):
     hidden_states_dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="Training compute dtype; auto = float32 on CPU (bf16 is ~4x slower there), bfloat16 on GPU."
     )
+    loss_implementation: Literal["eager", "fused"] = Field(
+        "eager", description="speculators' loss kernels: eager (PyTorch ops, CPU and GPU) or fused (its Triton "
+        "kernels, GPU only). fused failed on the H200 under torch 2.11, vLLM 0.26's torch: dynamo 'ListVariable is "
+        "already tracked for mutation' in the fused KL kernel's backward (docs/BENCHMARKS.md, the whole pipeline).",
+    )
     nproc_per_node: int = Field(
         1, ge=1, description="Training processes per node, one per GPU; more than 1 (or nnodes > 1) runs speculators' "
         "trainer under torchrun (DDP). max_len is per process: a step trains on nproc_per_node x nnodes x max_len tokens.",

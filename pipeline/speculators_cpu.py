@@ -45,9 +45,10 @@ def needed() -> bool:
 
 
 def cpu_trainer_options() -> dict[str, object]:
-    """speculators options a CPU run needs: flex attention has no CPU backward, the fused losses
-    need Triton, and dataloader workers only add start-up time on a couple of cores."""
-    return {"draft_attn_impl": "sdpa", "loss_implementation": "eager", "num_workers": 0}
+    """speculators options a CPU run needs: flex attention has no CPU backward, and dataloader
+    workers only add start-up time on a couple of cores (the fused losses need Triton: train.loss_implementation
+    must be eager, which the train stage checks)."""
+    return {"draft_attn_impl": "sdpa", "num_workers": 0}
 
 
 def _setup_model_on_cpu(self: Trainer) -> None:

@@ -170,3 +170,18 @@ def test_sigkill_then_rerun_resumes(extracted: Path, project_root: Path, tmp_pat
     assert "inputs changed since the last run" in caplog.text and "Starting fresh training run" in caplog.text
     assert epoch_dirs(root) == [0, 1]
     assert (root / layout.DRAFT_DIR / "0" / "model.safetensors").stat().st_mtime_ns != mtimes[0]
+
+
+@pytest.mark.skipif(not speculators_cpu.needed(), reason="the refusal applies only without an accelerator")
+def test_fused_loss_without_a_gpu_is_refused_and_the_trained_draft_kept(trained: Path, tmp_path: Path) -> None:
+    root = tmp_path / "p"
+    shutil.copytree(trained, root, symlinks=True)
+    final = (root / train.FINAL_POINTER).read_bytes()
+    weights = {p: p.stat().st_mtime_ns for p in (root / layout.DRAFT_DIR).rglob("*.safetensors")}
+    (root / "params.yaml").write_text(yaml.safe_dump({"train": {**TRAIN, "draft_vocab_size": 256, "loss_implementation": "fused"}}))
+    out = subprocess.run([sys.executable, "-m", "pipeline", "train"], cwd=root, capture_output=True, text=True)
+    assert out.returncode != 0
+    assert "train.loss_implementation is fused" in out.stderr and "set it to eager" in out.stderr, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr
+    assert (root / train.FINAL_POINTER).read_bytes() == final
+    assert {p: p.stat().st_mtime_ns for p in (root / layout.DRAFT_DIR).rglob("*.safetensors")} == weights

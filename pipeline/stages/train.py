@@ -168,6 +168,7 @@ def speculators_config(params: TrainParams, target: Target, aux_ids: list[int], 
         "lr": params.lr,
         "epochs": params.epochs,
         "save_path": str(DRAFT_DIR),
+        "loss_implementation": params.loss_implementation,
         "log_freq": 1,  # every step's metrics feed the epoch means
         **(speculators_cpu.cpu_trainer_options() if speculators_cpu.needed() else {}),
     }
@@ -178,7 +179,8 @@ def write_metrics(epochs: list[int]) -> None:
     rows = [json.loads((DRAFT_DIR / str(e) / EPOCH_METRICS).read_text()) for e in epochs]
     last = rows[-1]
     summary = {**last, "epochs_trained": len(rows), "mean_epoch_seconds": round(sum(r["seconds"] for r in rows) / len(rows), 2),
-               "cpu_arithmetic": cpu_determinism.in_force()}
+               # trained on a GPU: its arithmetic is the GPU's, no CPU pin to report
+               "cpu_arithmetic": cpu_determinism.in_force() if speculators_cpu.needed() else None}
     atomic_write_text(TRAIN_METRICS, json.dumps(summary, indent=1) + "\n")
     flat = [{"epoch": r["epoch"], "seconds": r["seconds"], **{f"val_{k}": v for k, v in r["val"].items()},
              **{f"train_{k}": v for k, v in r["train"].items()}} for r in rows]
@@ -189,7 +191,10 @@ def write_metrics(epochs: list[int]) -> None:
     atomic_write_text(TRAIN_CURVE, out.getvalue())
 
 
-def check_devices(rdzv: torchrun.Rendezvous) -> None:
+def check_devices(rdzv: torchrun.Rendezvous, params: TrainParams) -> None:
+    if params.loss_implementation == "fused" and not torch.accelerator.is_available():
+        raise PipelineError("train.loss_implementation is fused, speculators' Triton kernels, but this machine has no "
+                            "GPU: set it to eager in params.yaml")
     if torch.accelerator.is_available() and rdzv.nproc_per_node > torch.accelerator.device_count():
         raise PipelineError(f"train.nproc_per_node is {rdzv.nproc_per_node} but this node has "
                             f"{torch.accelerator.device_count()} GPUs: one process per GPU")
@@ -213,7 +218,7 @@ def train_ranks(rdzv: torchrun.Rendezvous, cfg: TrainConfig, params: TrainParams
 
 def run(params: TrainParams) -> None:
     rdzv = torchrun.rendezvous(params)
-    check_devices(rdzv)
+    check_devices(rdzv, params)
     target = load_target()
     try:
         meta = shards.read_meta(HIDDEN_STATES_DIR)
