@@ -50,9 +50,10 @@ sweep: setup
 # CPU image where they are not built, runs tests/test_container.py; under CI=true those tests fail,
 # never skip, without an engine). The container phase runs even when pytest failed, so one run
 # reports both; each phase's wall is printed, and the exit is non-zero if either failed.
+# The 25 slowest tests are listed (--durations): CI must stay well under 60 minutes.
 test: setup
 	@start=$$(date +%s); rc=0; crc=0; \
-	$(PY) -m pytest -q || rc=$$?; \
+	$(PY) -m pytest -q --durations=25 || rc=$$?; \
 	echo "[test] pytest, all but the container tests: $$(( $$(date +%s) - start )) s (exit $$rc)" >&2; \
 	cstart=$$(date +%s); bash docker/ci-container.sh || crc=$$?; \
 	echo "[test] container phase: $$(( $$(date +%s) - cstart )) s (exit $$crc)" >&2; \
