@@ -11,8 +11,8 @@ Each stage is its own child step (`pipeline:<stage>`): `python3 -m dvc repro <st
 upstream of it is stale and skips what is done: a later call on the same warm machine resumes after the last
 finished stage. DVC runs a cmd as `$SHELL -c CMD`; a SHELL that notes when each cmd starts and ends
 (bench/dvc_cost.py's) gives the stage's own wall beside DVC's (`dvc repro`'s wall minus its cmds'). A stage whose
-expected time is more than what the deadline leaves is not started. Every call copies metrics/*.json, dvc.lock,
-params.yaml, reports/ and the timings of every call so far (pipeline_timings.json in the project) into $OUT/pipeline/.
+expected time is more than what the deadline leaves is not started. Every call packs metrics/, reports/, dvc.lock,
+params.yaml and the timings of every call so far (pipeline_timings.json in the project) into $OUT/pipeline.tar.gz.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 
@@ -81,14 +82,12 @@ def is_up_to_date(proj: Path, stage: str, work: Path) -> bool:
 
 
 def collect(proj: Path, out: Path) -> None:
-    dest = out / "pipeline"
-    dest.mkdir(parents=True, exist_ok=True)
-    for name in ("dvc.lock", "params.yaml", TIMINGS):
-        if (proj / name).is_file():
-            shutil.copy2(proj / name, dest / name)
-    for name in ("metrics", "reports"):
-        if (proj / name).is_dir():
-            shutil.copytree(proj / name, dest / name, dirs_exist_ok=True)
+    """One archive, $OUT/pipeline.tar.gz: the device tool brings back only a few files a call (the first run
+    lost metrics/train.json and reports/ to that limit when they were copied one by one)."""
+    with tarfile.open(out / "pipeline.tar.gz", "w:gz") as tar:
+        for name in ("dvc.lock", "params.yaml", TIMINGS, "metrics", "reports"):
+            if (proj / name).exists():
+                tar.add(proj / name, arcname=f"pipeline/{name}")
 
 
 def run_pipeline(bench) -> None:
