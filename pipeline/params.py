@@ -285,7 +285,8 @@ class TrainParams(_Section):
     loss_implementation: Literal["eager", "fused"] = Field(
         "eager", description="speculators' loss kernels: eager (PyTorch ops, CPU and GPU) or fused (its Triton "
         "kernels, GPU only). fused failed on the H200 under torch 2.11, vLLM 0.26's torch: dynamo 'ListVariable is "
-        "already tracked for mutation' in the fused KL kernel's backward (docs/BENCHMARKS.md, the whole pipeline).",
+        "already tracked for mutation' in the fused KL kernel's backward, a Triton autotuner's configs tracked twice "
+        "in one trace (pytorch/pytorch#177600, PR #177874; docs/BENCHMARKS.md, the whole pipeline).",
     )
     nproc_per_node: int = Field(
         1, ge=1, description="Training processes per node, one per GPU; more than 1 (or nnodes > 1) runs speculators' "
