@@ -36,15 +36,12 @@ class ShardView:
         return out.view(torch.bfloat16) if self.header[name]["dtype"] == "BF16" else out
 
 
-def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, pinned: bool = False,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, pinned: bool) -> torch.Tensor:
     """The final layer's rows at the chosen positions of each sample, [P, H], read straight from the
-    memory map into one buffer: `out`, or a new one (page-locked when lm_head runs on a GPU: its copy
-    up is then direct)."""
-    if out is None:
-        total = sum(positions.numel() for _, positions, _ in chosen)
-        out = torch.empty((total, hidden), dtype=shard.dtype(chosen[0][0]), pin_memory=pinned)
-    dtype = out.dtype
+    memory map into one buffer (page-locked when lm_head runs on a GPU: its copy up is then direct)."""
+    total = sum(positions.numel() for _, positions, _ in chosen)
+    dtype = shard.dtype(chosen[0][0])
+    out = torch.empty((total, hidden), dtype=dtype, pin_memory=pinned)
     out_np = (out.view(torch.int16) if dtype == torch.bfloat16 else out).numpy()
     start = 0
     for name, positions, _ in chosen:

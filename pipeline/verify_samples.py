@@ -46,9 +46,7 @@ _staging = threading.local()  # per scan thread: the page-locked buffer a GPU's 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
-# judged rows x (L + 1) H predictions scored in one batch: 8,192 rows at the 8B shape (L = 4, H = 4,096), ~0.7 GB a
-# [rows, (L + 1) H] fp32 tensor and ~4 GB at a batch's peak; the scan groups shards to fill a batch (verify_scan.py)
-BATCH_VALUES = 8192 * 5 * 4096
+BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
@@ -106,15 +104,6 @@ class Coherence:
         e = self.embedding[ids.to(self.device)].float()
         ones = torch.ones(h.shape[0], 1, device=self.device)
         return h, torch.cat([h.flatten(1), e, ones], 1)
-
-    def positions(self, sid: int, length: int) -> np.ndarray:
-        """The positions of a sample of `length` tokens that the tests judge."""
-        return sample_positions(length, self.stride, self.seed, sid)
-
-    @property
-    def batch_rows(self) -> int:
-        """Judged rows scored in one batch (BATCH_VALUES predictions)."""
-        return max(1, BATCH_VALUES // ((len(self.layer_ids) + 1) * self.embedding.shape[1]))
 
     def fold(self, sid: int) -> int:
         """Samples fall into two seeded folds; a sample is scored by the predictors fitted on the
@@ -287,7 +276,7 @@ class Coherence:
     def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
                       timed: Callable[[str, float], float] | None = None) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
-        shard's samples are scored together, in as few batches of judged rows as BATCH_VALUES allows, sorted by fold and half, so
+        shard's samples are scored together, one batch of judged rows (up to BATCH_ROWS) sorted by fold and half, so
         a GPU runs a few large products per shard instead of a dozen small kernels per sample. `timed` (e.g.
         `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
         lap = timed or (lambda _key, _since: time.perf_counter())
@@ -295,7 +284,7 @@ class Coherence:
         scored: dict[int, SampleScores] = {}
         groups: dict[str, list] = {}
         for sid, hidden, dtype, ids in samples:
-            positions = self.positions(sid, hidden.shape[0])
+            positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
             if len(positions) < 2:  # no other judged position to contrast with
                 scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
             else:
@@ -306,13 +295,11 @@ class Coherence:
             # the products run per (fold, half) on contiguous row ranges, every other operation once per batch (the
             # H200's profile: a shard's samples in up to four batches spent the scan on per-operation work)
             group.sort(key=lambda item: item[4:])
-            total = sum(len(item[3]) for item in group)
-            per_batch = -(-total // -(-total // self.batch_rows))  # the rows split evenly over the fewest batches
             batch, rows = [], 0
             for item in group:
                 batch.append(item)
                 rows += len(item[3])
-                if rows >= per_batch or item is group[-1]:
+                if rows >= BATCH_ROWS or item is group[-1]:
                     # the host's part first, outside a slot: 16 scan threads copy rows at once, 4 hold the GPU
                     t = time.perf_counter()
                     staged = self._gather(batch, rows), self._indices(batch)

@@ -16,7 +16,9 @@ zeros) is worked out only for a sample already known bad.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -34,11 +36,8 @@ from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
-from pipeline.verify_final_head import FinalHead
 
 _ShardView = ShardView  # the name tests and benches know
-
-GROUP_SHARDS = 8  # shards scored together at most (without per-sample tests, what bounds a group of final states)
 
 
 @dataclass
@@ -136,95 +135,108 @@ class ShardScan:
         self.findings.append(Finding(check, message, shard=self.name, **where))
 
 
+# [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
+# lm_head in chunks, and at most two chunks are on the GPU at once
+FINAL_CHUNK_POSITIONS = 8192
+FINAL_HEAD_SLOTS = 2
+
+
+class FinalHead:
+    """argmax(lm_head(norm(h))) for the final-state pass (every masked position, or a seeded
+    sample of `verify.final_state_positions_per_shard` per shard).
+
+    At 8B scale lm_head is ~6% of the target's FLOPs per token, so this pass is not free. On a
+    GPU it runs lm_head on bf16 tensor cores with fp32 outputs (`mode` "bf16-fp32": the norm in
+    fp32, its output and the weight rounded to bf16, as the target itself serves), or, where
+    torch lacks `mm(..., out_dtype=)`, as a TF32 matmul ("tf32"); on a CPU in the reference's
+    fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this. On a GPU each of
+    the two slots has a CUDA stream of its own and chunks go up from pinned memory, so one chunk's
+    copy overlaps the other's matmul (an 8,192-position chunk's pageable copy up took as long as its
+    matmul on an H200, 12.5 against 12.7 ms; from page-locked memory 1.2 ms).
+    """
+
+    def __init__(self, reference: ReferenceModel | FinalHeadModel) -> None:
+        self.reference = reference
+        self.wants_pinned = reference.device.type == "cuda"  # chunks copied up from page-locked memory
+        self.mode, self.weight = "fp32", None
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()
+        head = reference.lm_head
+        if reference.device.type != "cuda":
+            for _ in range(FINAL_HEAD_SLOTS):
+                self._slots.put(None)
+            return
+        for _ in range(FINAL_HEAD_SLOTS):
+            self._slots.put(torch.cuda.Stream(reference.device))
+        self.mode = "tf32"
+        if getattr(head, "bias", None) is None:
+            weight = head.weight.detach().to(torch.bfloat16)
+            try:
+                torch.mm(weight[:2], weight[:2].t(), out_dtype=torch.float32)
+                self.mode, self.weight = "bf16-fp32", weight
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
+        # the slots' streams must see the weights, which were made on the loading thread's stream
+        torch.cuda.synchronize(reference.device)
+
+    @torch.inference_mode()
+    def argmax(self, final_states: torch.Tensor, timed: Callable[[str, float], float] | None = None) -> torch.Tensor:
+        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU. `timed`
+        (e.g. `ShardScan.timed`) is told where the time went: head_pin, head_slot_wait, head_compute."""
+        lap = timed or (lambda _key, _since: time.perf_counter())
+        out = []
+        for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
+            t = time.perf_counter()
+            chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
+            if self.wants_pinned and not chunk.is_pinned():
+                chunk = chunk.pin_memory()  # a host copy, outside the slot: threads do it in parallel
+                t = lap("head_pin", t)
+            stream = self._slots.get()
+            t = lap("head_slot_wait", t)
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
+            finally:
+                self._slots.put(stream)
+                lap("head_compute", t)
+        return torch.cat(out)
+
+    def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.reference.final_logits(chunk.to(self.reference.device, non_blocking=True))
+        states = chunk.to(self.reference.device, non_blocking=True).to(self.reference.dtype)
+        normed = self.reference.final_norm(states)
+        return torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
+
+
 def default_workers() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0))))
 
 
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
-    """Scan every shard; results come back in `files` order.
-
-    Each of `workers` threads takes shards one at a time and does their host part (manifest, header, structure,
-    the rows to judge); once the shards it holds fill a scoring batch (or no shard is left), it scores
-    them together and runs their final states through lm_head in one pass (`group_full`). On a GPU that is a few large batches
-    per group instead of a small one per shard: the 8B scan's cost was per operation, not per FLOP
-    (docs/BENCHMARKS.md)."""
-    results: list[ShardScan | None] = [None] * len(files)
-    queued = iter(enumerate(files))
-    lock = threading.Lock()
-    with progress(total=len(files), desc="verify shards", unit="shard") as bar:
-
-        def work() -> None:
-            group: list[tuple[int, ShardScan, PendingShard | None]] = []
-            rows = 0
-            while True:
-                with lock:
-                    item = next(queued, None)
-                if item is not None:
-                    scan, pending = scan_shard_host(item[1], ctx)
-                    group.append((item[0], scan, pending))
-                    rows += pending.judged_rows if pending else 0
-                if group and (item is None or len(group) >= GROUP_SHARDS or group_full(rows, len(group), ctx)):
-                    finish_group([(scan, pending) for _, scan, pending in group if pending], ctx)
-                    with lock:
-                        for i, scan, _ in group:
-                            results[i] = scan
-                        bar.update(len(group))
-                    group, rows = [], 0
-                if item is None:
-                    return
-
-        threads = max(1, min(workers, len(files)))
-        if threads == 1:
-            work()
-        else:
-            with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
-                for done in [pool.submit(work) for _ in range(threads)]:
-                    done.result()  # a worker's exception, raised here
-    return results
-
-
-def group_full(rows: int, shards: int, ctx: ScanContext) -> bool:
-    """Whether a group of `shards` shards with `rows` judged rows is scored now: one more shard like these would
-    take it over one scoring batch."""
-    return ctx.coherence is not None and rows + rows / shards > ctx.coherence.batch_rows
+    """Scan every shard (in parallel when workers > 1); results come back in `files` order."""
+    if workers <= 1 or len(files) <= 1:
+        return [scan_shard(p, ctx) for p in progress(files, desc="verify shards", unit="shard")]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
+        return list(progress(pool.map(lambda p: scan_shard(p, ctx), files), total=len(files), desc="verify shards", unit="shard"))
 
 
 def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
-    """One shard's whole pass (its group of one)."""
-    scan, pending = scan_shard_host(path, ctx)
-    if pending:
-        finish_group([(scan, pending)], ctx)
-    return scan
-
-
-@dataclass
-class PendingShard:
-    """A shard read and checked on the host, its judged rows and final states not yet scored."""
-
-    shard: ShardView
-    to_score: list  # (id, hidden states as stored, dtype, ids) of the samples the per-sample tests score
-    masked: list  # (tensor name, masked positions, ids) per sample
-    judged_rows: int = 0  # rows the per-sample tests score (sample_stride)
-
-
-def scan_shard_host(path: Path, ctx: ScanContext) -> tuple[ShardScan, PendingShard | None]:
-    """The shard's host part: manifest, header, every sample's structure and recorded values, the rows to judge."""
     scan = ShardScan(name=path.stem, path=path)
     if not manifest_path(path).is_file():
         scan.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume")
-        return scan, None
+        return scan
     t = time.perf_counter()
     manifest = read_manifest(path)
     scan.timed("manifest", t)
     if manifest.get("format") != FORMAT_NAME:
         scan.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
-        return scan, None
+        return scan
     if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(ctx.layer_ids):
         scan.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {ctx.layer_ids}")
     size = path.stat().st_size
     if size != manifest["bytes"]:
         scan.fail("structure", f"file is {size} bytes, its manifest says {manifest['bytes']}: truncated or corrupt")
-        return scan, None
+        return scan
     records = (manifest.get("layer_stats") or {}).get("samples")
     scan.audited = path.stem in ctx.audit or records is None
     if scan.audited or ctx.hash_all:
@@ -233,7 +245,7 @@ def scan_shard_host(path: Path, ctx: ScanContext) -> tuple[ShardScan, PendingSha
         scan.timed("sha256", t)
         if digest != manifest["sha256"]:
             scan.fail("structure", "file content does not match its manifest sha256: corrupt, or changed after extraction")
-            return scan, None
+            return scan
         scan.hashed = True
     scan.bytes = size
     sample_ids = list(manifest["sample_ids"])
@@ -242,7 +254,7 @@ def scan_shard_host(path: Path, ctx: ScanContext) -> tuple[ShardScan, PendingSha
         header, data_start = read_header(path)
     except (ValueError, KeyError, TypeError) as e:
         scan.fail("structure", f"unreadable safetensors file: {e}")
-        return scan, None
+        return scan
     scan.timed("header", t)
     keys = set(header)
     expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
@@ -253,24 +265,23 @@ def scan_shard_host(path: Path, ctx: ScanContext) -> tuple[ShardScan, PendingSha
             f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
             f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
         )
-        return scan, None
+        return scan
     if unknown := sorted({e["dtype"] for e in header.values()} - set(_NUMPY_VIEW)):
         scan.fail("structure", f"tensors of dtype {unknown}: not one this format uses")
-        return scan, None
+        return scan
     scan.read_ok = True
     data = np.memmap(path, dtype=np.uint8, mode="r")  # pages are read only where a view is used
     shard = ShardView(data, header, data_start)
-    return scan, scan_samples(scan, shard, sample_ids, records or {}, ctx)
+    scan_samples(scan, shard, sample_ids, records or {}, ctx)
+    return scan
 
 
-def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> PendingShard:
-    """Every sample's structure and recorded values, the shard's statistics; the rows to score and the masked
-    positions are left to `finish_group`."""
+def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
     in_shard: set[int] = set()
-    to_score: list = []
+    to_score: list = []  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
     loop_started = time.perf_counter()
     for sid in sample_ids:
         if sid in in_shard:
@@ -322,6 +333,20 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
             masked.append((name, positions, ids))
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
+    if to_score:  # the shard's samples in one batch
+        t = time.perf_counter()
+        scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed))
+        scan.timed("sample_coherence", t)
+    scan.masked_positions = sum(p.numel() for _, p, _ in masked)
+    chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
+    if chosen:  # one lm_head pass for the shard
+        t = time.perf_counter()
+        states = read_final_rows(shard, chosen, num_layers - 1, ctx.hidden_size, pinned=ctx.final_head.wants_pinned)
+        t = scan.timed("read_final_rows", t)
+        pred = ctx.final_head.argmax(states, scan.timed)
+        scan.timed("final_lm_head", t)
+        targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
+        scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)
     mean = sums[:, 0] / count
     rms = np.sqrt(sums[:, 1] / count)
@@ -334,46 +359,6 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
-    scan.masked_positions = sum(p.numel() for _, p, _ in masked)
-    judged = sum(len(ctx.coherence.positions(sid, hs.shape[0])) for sid, hs, _, _ in to_score) if to_score else 0
-    return PendingShard(shard, to_score, masked, judged)
-
-
-def finish_group(group: list[tuple[ShardScan, PendingShard]], ctx: ScanContext) -> None:
-    """The group's samples scored together (a few large batches: verify_samples.Coherence.score_samples) and its
-    chosen final states through lm_head in one pass. The group's time is booked on its first shard (the scan's
-    thread-seconds are summed over shards)."""
-    if not group:
-        return
-    lead = group[0][0]
-    to_score = [item for _, pending in group for item in pending.to_score]
-    if to_score:
-        t = time.perf_counter()
-        scores = iter(ctx.coherence.score_samples(to_score, lead.timed))
-        for scan, pending in group:
-            scan.sample_scores.extend(next(scores) for _ in pending.to_score)
-        lead.timed("sample_coherence", t)
-    chosen = [sample_final_positions(pending.masked, ctx.final_state_positions, ctx.seed, scan.name) for scan, pending in group]
-    counts = [sum(p.numel() for _, p, _ in c) for c in chosen]
-    if not sum(counts):
-        return
-    t = time.perf_counter()
-    head = ctx.final_head
-    states = torch.empty((sum(counts), ctx.hidden_size), dtype=ctx.dtype, pin_memory=head.wants_pinned)
-    at = 0
-    for (_, pending), picked, n in zip(group, chosen, counts, strict=True):
-        if n:
-            read_final_rows(pending.shard, picked, len(ctx.layer_ids) - 1, ctx.hidden_size, out=states[at : at + n])
-        at += n
-    t = lead.timed("read_final_rows", t)
-    pred = head.argmax(states, lead.timed)
-    lead.timed("final_lm_head", t)
-    at = 0
-    for (scan, _), picked, n in zip(group, chosen, counts, strict=True):
-        if n:
-            targets = torch.cat([ids[positions + 1] for _, positions, ids in picked])
-            scan.hits, scan.counted = int((pred[at : at + n] == targets.long()).sum()), n
-        at += n
 
 
 def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:

@@ -29,11 +29,6 @@ for workers in filter(None, os.environ.get("VERIFY_WORKERS", "").split(",")):  #
     VERIFY_MODES[f"workers_{workers}"] = {"workers": int(workers)}
 for slots in filter(None, os.environ.get("VERIFY_SCORING_SLOTS", "").split(",")):  # GPU streams the scoring threads share
     VERIFY_MODES[f"scoring_slots_{slots}"] = {"_scoring_slots": int(slots)}
-if os.environ.get("VERIFY_GROUPING") == "1":  # shards scored one by one, one batch a shard (the scan before grouping), against larger groups
-    VERIFY_MODES["per_shard"] = {"_group_shards": 1, "_batch_values": 4096 * 5 * 4096}
-    VERIFY_MODES["batch_16384_rows"] = {"_group_shards": 16, "_batch_values": 16384 * 5 * 4096}
-    VERIFY_MODES["per_shard_workers_4"] = {"_group_shards": 1, "_batch_values": 4096 * 5 * 4096, "workers": 4}
-    VERIFY_MODES["grouped_workers_4"] = {"workers": 4}
 if os.environ.get("VERIFY_SWITCH_INTERVAL"):  # the GIL's switch interval (s; Python's default 0.005) during the run
     VERIFY_MODES[f"switch_interval_{os.environ['VERIFY_SWITCH_INTERVAL']}"] = {"_switch_interval": float(os.environ["VERIFY_SWITCH_INTERVAL"])}
 if os.environ.get("VERIFY_TORCH_PROFILE") == "1":  # the scan's CUDA kernels: their total and their union against its wall
@@ -86,13 +81,13 @@ def head_microbench(ref) -> dict:
 
     import torch
 
-    from pipeline import verify_final_head
+    from pipeline import verify_scan
 
     dev, bf16 = ref.device, torch.bfloat16
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     weight = ref.lm_head.weight.detach().to(bf16)
-    n, hidden = verify_final_head.FINAL_CHUNK_POSITIONS, weight.shape[1]
+    n, hidden = verify_scan.FINAL_CHUNK_POSITIONS, weight.shape[1]
     x = torch.randn(n, hidden, device=dev, dtype=bf16)
 
     def ms(fn, reps=10):
@@ -121,17 +116,17 @@ def head_microbench(ref) -> dict:
     out["pin_memory_copy_ms"] = round((time.perf_counter() - t) * 100, 2)
     chunks = 96
     states = torch.empty(chunks * n, hidden, dtype=bf16).normal_()
-    slots_before = verify_final_head.FINAL_HEAD_SLOTS
+    slots_before = verify_scan.FINAL_HEAD_SLOTS
     for slots in (1, 2, 3):
-        verify_final_head.FINAL_HEAD_SLOTS = slots
-        head = verify_final_head.FinalHead(ref)
+        verify_scan.FINAL_HEAD_SLOTS = slots
+        head = verify_scan.FinalHead(ref)
         head.argmax(states[:n])
         torch.cuda.synchronize()
         t = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda i, head=head: head.argmax(states[i * n : (i + 1) * n]), range(chunks)))
         out[f"final_head_{chunks}_chunks_{slots}_slots_s"] = round(time.perf_counter() - t, 3)
-    verify_final_head.FINAL_HEAD_SLOTS = slots_before
+    verify_scan.FINAL_HEAD_SLOTS = slots_before
     return out
 
 
@@ -261,7 +256,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
     import torch
 
-    from pipeline import verify_samples, verify_scan
+    from pipeline import verify_samples
 
     for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
         timings.clear()
@@ -270,9 +265,6 @@ def job_verify_all(state: dict, name: str) -> dict:
         torch.set_num_threads(params.pop("_torch_threads", threads_before))
         slots_before = verify_samples.SCORING_SLOTS
         verify_samples.SCORING_SLOTS = params.pop("_scoring_slots", slots_before)
-        group_before, values_before = verify_scan.GROUP_SHARDS, verify_samples.BATCH_VALUES
-        verify_scan.GROUP_SHARDS = params.pop("_group_shards", group_before)
-        verify_samples.BATCH_VALUES = params.pop("_batch_values", values_before)
         if params.pop("_kernel_profile", False):
             profiling_scan(timings)
         interval_before = sys.getswitchinterval()
@@ -281,7 +273,6 @@ def job_verify_all(state: dict, name: str) -> dict:
         sys.setswitchinterval(interval_before)
         torch.set_num_threads(threads_before)
         verify_samples.SCORING_SLOTS = slots_before
-        verify_scan.GROUP_SHARDS, verify_samples.BATCH_VALUES = group_before, values_before
         metrics = json.loads((proj / layout.METRICS / "verify.json").read_text())
         (Path(state["out"]) / f"verifyall_{name}_{mode}_report.md").write_text((proj / "reports/verify/report.md").read_text())
         scan_s = timings.get("check_structure_and_values_s")
