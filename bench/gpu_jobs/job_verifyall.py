@@ -19,6 +19,10 @@ VERIFY_MODES = {  # "default" first in this process: it pays the process's first
     "default": {},
     "default_again": {},
 }
+# a short call: no cold process and no second default run (the first mode then pays the process's first CUDA calls)
+SHORT = os.environ.get("VERIFY_SHORT") == "1"
+if SHORT:
+    del VERIFY_MODES["default_again"]
 if os.environ.get("VERIFY_EVERY_POSITION") == "1":  # check 4 on every masked position (the default: a seeded 2,048)
     VERIFY_MODES["every_position"] = {"final_state_positions_per_shard": None}
 if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
@@ -238,7 +242,7 @@ def job_verify_all(state: dict, name: str) -> dict:
     model_dir = json.loads((proj / "artifacts/model/target.json").read_text())["path"]
     only_preloaded = os.environ.get("VERIFY_ONLY_PRELOADED") == "1"  # the data pass alone, nothing else
     t = time.monotonic()
-    cold = subprocess.CompletedProcess([], 0, "", "") if only_preloaded else subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
+    cold = subprocess.CompletedProcess([], 0, "", "") if only_preloaded or SHORT else subprocess.run([sys.executable, "-c", COLD_PROCESS], cwd=proj, capture_output=True, text=True)
     wall = time.monotonic() - t
     line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
     summary["cold_process"] = {
@@ -248,7 +252,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
         "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
         "metrics": {k: v for k, v in json.loads((proj / layout.METRICS / "verify.json").read_text()).items()
-                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 and not only_preloaded else None,
+                    if k.endswith("seconds") or k == "reference_load"} if cold.returncode == 0 and not (only_preloaded or SHORT) else None,
     }
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
     if os.environ.get("VERIFY_PYSPY") == "1":
