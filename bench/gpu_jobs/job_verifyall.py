@@ -60,7 +60,7 @@ PREPIN = (
 )
 
 
-def run_cold_process(proj: Path, code: str, read_metrics: bool) -> dict:
+def run_cold_process(proj: Path, code: str) -> dict:
     """verify in a fresh interpreter (`code`), its wall, its imports' time, and its metrics' timings."""
     from pipeline import layout
 
@@ -68,7 +68,7 @@ def run_cold_process(proj: Path, code: str, read_metrics: bool) -> dict:
     cold = subprocess.run([sys.executable, "-c", code], cwd=proj, capture_output=True, text=True)
     wall = time.monotonic() - t
     line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
-    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text()) if cold.returncode == 0 and read_metrics else None
+    metrics = json.loads((proj / layout.METRICS / "verify.json").read_text()) if cold.returncode == 0 else None
     return {
         "passed": cold.returncode == 0,
         "process_wall_s": round(wall, 2),
@@ -271,10 +271,10 @@ def job_verify_all(state: dict, name: str) -> dict:
     if only_preloaded or SHORT:
         summary["cold_process"] = {"skipped": "VERIFY_ONLY_PRELOADED or VERIFY_SHORT"}
     else:
-        summary["cold_process"] = run_cold_process(proj, COLD_PROCESS, read_metrics=True)
+        summary["cold_process"] = run_cold_process(proj, COLD_PROCESS)
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
     if os.environ.get("VERIFY_COLD_PREPIN") == "1":
-        summary["cold_process_prepinned"] = run_cold_process(proj, PREPIN + COLD_PROCESS, read_metrics=True)
+        summary["cold_process_prepinned"] = run_cold_process(proj, PREPIN + COLD_PROCESS)
         log(f"verifyall {name} cold_process_prepinned: {json.dumps(summary['cold_process_prepinned'])}")
     if os.environ.get("VERIFY_PYSPY") == "1":
         summary["profiled_cold_process"] = profiled_cold_process(proj, Path(state["out"]))
