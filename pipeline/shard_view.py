@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from pipeline.host_staging import StagingBuffer
 from pipeline.shards import SAFETENSORS_DTYPES
 
 # numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/shard_stats.py)
@@ -36,12 +37,13 @@ class ShardView:
         return out.view(torch.bfloat16) if self.header[name]["dtype"] == "BF16" else out
 
 
-def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, pinned: bool) -> torch.Tensor:
+def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, staging: StagingBuffer | None = None) -> torch.Tensor:
     """The final layer's rows at the chosen positions of each sample, [P, H], read straight from the
-    memory map into one buffer (page-locked when lm_head runs on a GPU: its copy up is then direct)."""
+    memory map into `staging` (the scan's, page-locked when lm_head runs on a GPU: its copy up is then
+    direct) or, without one, a new tensor."""
     total = sum(positions.numel() for _, positions, _ in chosen)
     dtype = shard.dtype(chosen[0][0])
-    out = torch.empty((total, hidden), dtype=dtype, pin_memory=pinned)
+    out = staging.view((total, hidden), dtype) if staging is not None else torch.empty((total, hidden), dtype=dtype)
     out_np = (out.view(torch.int16) if dtype == torch.bfloat16 else out).numpy()
     start = 0
     for name, positions, _ in chosen:

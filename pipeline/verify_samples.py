@@ -30,7 +30,6 @@ from __future__ import annotations
 import contextlib
 import queue
 import random
-import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -39,14 +38,14 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.host_staging import StagingBuffer, temporary_buffer
 from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
-
-_staging = threading.local()  # per scan thread: the page-locked buffer a GPU's judged rows go up from
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
-BATCH_ROWS = 4096  # judged rows scored in one batch (at the 8B shape ~0.35 GB of predictions on the device)
+BATCH_ROWS = 4096  # judged rows scored in one batch at most (at the 8B shape ~0.35 GB of predictions on the device)
+INDICES_PER_ROW = 7  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
@@ -58,6 +57,25 @@ def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarra
     """Every `stride`-th position from a seeded offset, position 0 left out."""
     offset = random.Random(f"{seed}/{sid}").randrange(stride)
     return np.arange(1 + offset, length, stride)
+
+
+def batch_capacity(longest: int, stride: int) -> int:
+    """Judged rows a scoring batch holds at most: BATCH_ROWS, or a longer sample's (a sample is never split)."""
+    return max(BATCH_ROWS, -(-(longest - 1) // stride))
+
+
+def batches(items: list, limit: int):
+    """Consecutive items (their judged positions at [3]) in batches of at most `limit` judged rows; an item over
+    `limit` alone."""
+    batch, rows = [], 0
+    for item in items:
+        if batch and rows + len(item[3]) > limit:
+            yield batch
+            batch, rows = [], 0
+        batch.append(item)
+        rows += len(item[3])
+    if batch:
+        yield batch
 
 
 @dataclass
@@ -274,11 +292,13 @@ class Coherence:
 
     @torch.inference_mode()
     def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
-                      timed: Callable[[str, float], float] | None = None) -> list[SampleScores]:
+                      timed: Callable[[str, float], float] | None = None,
+                      staging: StagingBuffer | None = None) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
-        shard's samples are scored together, one batch of judged rows (up to BATCH_ROWS) sorted by fold and half, so
-        a GPU runs a few large products per shard instead of a dozen small kernels per sample. `timed` (e.g.
-        `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
+        shard's samples are scored together, in batches of up to BATCH_ROWS judged rows sorted by fold and half, so
+        a GPU runs a few large products per shard instead of a dozen small kernels per sample. The rows go up from
+        `staging` (the scan's, made before it: pipeline/host_staging.py; None: a buffer made for this call). `timed`
+        (e.g. `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
@@ -295,45 +315,31 @@ class Coherence:
             # the products run per (fold, half) on contiguous row ranges, every other operation once per batch (the
             # H200's profile: a shard's samples in up to four batches spent the scan on per-operation work)
             group.sort(key=lambda item: item[4:])
-            batch, rows = [], 0
-            for item in group:
-                batch.append(item)
-                rows += len(item[3])
-                if rows >= BATCH_ROWS or item is group[-1]:
-                    # the host's part first, outside a slot: 16 scan threads copy rows at once, 4 hold the GPU
-                    t = time.perf_counter()
-                    staged = self._gather(batch, rows), self._indices(batch)
-                    t = lap("coherence_stage", t)
-                    stream = self._slots.get()
-                    t = lap("coherence_slot_wait", t)
-                    try:
-                        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                            scored.update(self._score_batch(dtype, batch, *staged))
-                    finally:
-                        self._slots.put(stream)
-                        lap("coherence_compute", t)
-                    batch, rows = [], 0
+            for batch in batches(group, BATCH_ROWS):
+                rows = sum(len(item[3]) for item in batch)
+                buffer = staging or temporary_buffer(rows * batch[0][1][0].nbytes, INDICES_PER_ROW * rows,
+                                                     pinned=self.device.type == "cuda")
+                # the host's part first, outside a slot: the scan threads copy rows at once, SCORING_SLOTS hold the GPU
+                t = time.perf_counter()
+                staged = self._gather(batch, rows, buffer), self._indices(batch, buffer)
+                t = lap("coherence_stage", t)
+                stream = self._slots.get()
+                t = lap("coherence_slot_wait", t)
+                try:
+                    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                        scored.update(self._score_batch(dtype, batch, *staged))
+                finally:
+                    self._slots.put(stream)
+                    lap("coherence_compute", t)
         return [scored[sid] for sid, *_ in samples]
 
-    def _staging_buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
-        """This thread's reused buffer `name` as a [shape] tensor: page-locked for a GPU, so uploads run at the bus's
-        speed and without a stream synchronisation (a pageable `.to(device)` waits for all of the stream's work).
-        Reuse is safe: a batch ends with its host copy, which waits for its uploads."""
-        if self.device.type != "cuda":
-            return torch.empty(shape, dtype=dtype)
-        size = int(np.prod(shape))
-        buffer = getattr(_staging, name, None)
-        if buffer is None or buffer.numel() < size or buffer.dtype != dtype:
-            buffer = torch.empty(size + size // 4, dtype=dtype, pin_memory=True)
-            setattr(_staging, name, buffer)
-        return buffer[:size].view(shape)
-
-    def _gather(self, batch: list, n: int) -> torch.Tensor:
-        """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps into a staging buffer.
-        torch.index_select copies each row once and without the GIL (np.take with `out` copies through a
-        buffer of its own: 4-7x slower on 32 KB rows, and 16 scan threads wait for each other's copies)."""
+    def _gather(self, batch: list, n: int, buffer: StagingBuffer) -> torch.Tensor:
+        """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps into the staging buffer
+        (reused: a batch ends with its host copy, which waits for its uploads). torch.index_select copies each row
+        once and without the GIL (np.take with `out` copies through a buffer of its own: 4-7x slower on 32 KB rows,
+        and 16 scan threads wait for each other's copies)."""
         first = batch[0][1]
-        rows = self._staging_buffer("rows", (n, *first.shape[1:]), torch.from_numpy(np.empty(0, first.dtype)).dtype)
+        rows = buffer.view((n, *first.shape[1:]), torch.from_numpy(np.empty(0, first.dtype)).dtype)
         at = 0
         with warnings.catch_warnings():  # the memory map is read-only; nothing writes through the tensor view
             warnings.simplefilter("ignore", UserWarning)
@@ -342,7 +348,7 @@ class Coherence:
                 at += len(positions)
         return rows
 
-    def _indices(self, batch: list) -> torch.Tensor:
+    def _indices(self, batch: list, buffer: StagingBuffer) -> torch.Tensor:
         """Every index the batch's scoring needs, in one staging buffer (one upload): per judged row its token, the
         previous and next tokens and the next judged row of its sample (the last one's: the sample's first); per
         exchange-tried row its row and its sample; per sample its tried rows' count."""
@@ -357,7 +363,7 @@ class Coherence:
         parts += [following, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
                   np.repeat(np.arange(len(batch)), kept), kept]
         flat = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
-        out = self._staging_buffer("indices", flat.shape, torch.int64)
+        out = buffer.index_view(flat.size)
         out.copy_(torch.from_numpy(flat))
         return out
 

@@ -31,11 +31,13 @@ import numpy as np
 import torch
 
 from pipeline import shard_stats
+from pipeline.host_staging import HostStaging
 from pipeline.progress import progress
 from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
+from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity
 
 _ShardView = ShardView  # the name tests and benches know
 
@@ -74,6 +76,9 @@ class PreparedTokens:
     def __len__(self) -> int:
         return len(self.input_offsets) - 1
 
+    def longest(self) -> int:
+        return int(np.diff(self.input_offsets).max(initial=0))
+
     def row(self, sid: int) -> tuple[np.ndarray, np.ndarray]:
         ids = self.input_ids[self.input_offsets[sid] : self.input_offsets[sid + 1]]
         mask = self.loss_mask[self.mask_offsets[sid] : self.mask_offsets[sid + 1]]
@@ -96,6 +101,7 @@ class ScanContext:
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
     coherence: Any = None  # verify_samples.Coherence: every sample's per-token scores
+    staging: HostStaging | None = None  # the scan threads' host buffers (made by scan_shards)
     _final_head: FinalHead | None = field(default=None, init=False, repr=False)
     _final_head_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -212,12 +218,30 @@ def default_workers() -> int:
     return max(1, min(32, len(os.sched_getaffinity(0))))
 
 
+def staging_for(ctx: ScanContext, threads: int) -> HostStaging:
+    """One buffer per scan thread, large enough for a coherence batch's judged rows of every captured layer and for
+    a chunk of final-layer rows (at the 8B shape: 128 MiB a thread); page-locked where the scan uploads to a GPU."""
+    itemsize = torch.empty(0, dtype=ctx.dtype).element_size()
+    rows = batch_capacity(ctx.prepared.longest(), ctx.coherence.stride) if ctx.coherence is not None else 0
+    row_bytes = max(rows * len(ctx.layer_ids), FINAL_CHUNK_POSITIONS) * ctx.hidden_size * itemsize
+    return HostStaging(threads, row_bytes, INDICES_PER_ROW * rows, pinned=torch.cuda.is_available())
+
+
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
-    """Scan every shard (in parallel when workers > 1); results come back in `files` order."""
-    if workers <= 1 or len(files) <= 1:
+    """Scan every shard (in parallel when workers > 1); results come back in `files` order. The audited shards,
+    read in full, go first: started last, one of them would be the scan's tail."""
+    threads = max(1, min(workers, len(files)))
+    if ctx.staging is None or ctx.staging.count < threads:
+        ctx.staging = staging_for(ctx, threads)
+    if threads == 1:
         return [scan_shard(p, ctx) for p in progress(files, desc="verify shards", unit="shard")]
-    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="verify") as pool:
-        return list(progress(pool.map(lambda p: scan_shard(p, ctx), files), total=len(files), desc="verify shards", unit="shard"))
+    order = sorted(range(len(files)), key=lambda i: files[i].stem not in ctx.audit)
+    scans: list[ShardScan | None] = [None] * len(files)
+    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
+        done = pool.map(lambda i: (i, scan_shard(files[i], ctx)), order)
+        for i, scan in progress(done, total=len(files), desc="verify shards", unit="shard"):
+            scans[i] = scan
+    return scans
 
 
 def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
@@ -333,20 +357,24 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
             masked.append((name, positions, ids))
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
-    if to_score:  # the shard's samples in one batch
-        t = time.perf_counter()
-        scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed))
-        scan.timed("sample_coherence", t)
-    scan.masked_positions = sum(p.numel() for _, p, _ in masked)
-    chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
-    if chosen:  # one lm_head pass for the shard
-        t = time.perf_counter()
-        states = read_final_rows(shard, chosen, num_layers - 1, ctx.hidden_size, pinned=ctx.final_head.wants_pinned)
-        t = scan.timed("read_final_rows", t)
-        pred = ctx.final_head.argmax(states, scan.timed)
-        scan.timed("final_lm_head", t)
+    with ctx.staging.buffer() as staging:
+        if to_score:
+            t = time.perf_counter()
+            scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed, staging))
+            scan.timed("sample_coherence", t)
+        scan.masked_positions = sum(p.numel() for _, p, _ in masked)
+        chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
+        predicted = []
+        # through lm_head in pieces the staging buffer holds (one, unless every masked position is asked for)
+        for piece in split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
+            t = time.perf_counter()
+            states = read_final_rows(shard, piece, num_layers - 1, ctx.hidden_size, staging)
+            t = scan.timed("read_final_rows", t)
+            predicted.append(ctx.final_head.argmax(states, scan.timed))
+            scan.timed("final_lm_head", t)
+    if chosen:
         targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
-        scan.hits, scan.counted = int((pred == targets.long()).sum()), int(targets.numel())
+        scan.hits, scan.counted = int((torch.cat(predicted) == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)
     mean = sums[:, 0] / count
     rms = np.sqrt(sums[:, 1] / count)
@@ -377,6 +405,22 @@ def sample_final_positions(masked: list, limit: int | None, seed: int, shard_nam
         if chosen.numel():
             out.append((name, chosen, ids))
     return out
+
+
+def split_positions(chosen: list, size: int) -> list[list]:
+    """(name, positions, ids) items cut into pieces of at most `size` positions, in order."""
+    pieces, piece, room = [], [], size
+    for name, positions, ids in chosen:
+        while positions.numel():
+            piece.append((name, positions[:room], ids))
+            room -= min(room, positions.numel())
+            positions = positions[piece[-1][1].numel():]
+            if room == 0:
+                pieces.append(piece)
+                piece, room = [], size
+    if piece:
+        pieces.append(piece)
+    return pieces
 
 
 def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:

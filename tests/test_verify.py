@@ -361,6 +361,7 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     import numpy as np
 
     from pipeline.shards import read_header
+    from pipeline.host_staging import HostStaging
     from pipeline.verify_scan import _ShardView, read_final_rows
 
     path = shards(project)[0]
@@ -373,7 +374,43 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     chosen = [(names[0], spans, None), (names[1], scattered, None), (names[2], torch.tensor([4]), None)]
     hidden = tensors[names[0]].shape[-1]
 
-    rows = read_final_rows(view, chosen, layer=-1 % tensors[names[0]].shape[1], hidden=hidden, pinned=False)
+    layer = -1 % tensors[names[0]].shape[1]
+    rows = read_final_rows(view, chosen, layer=layer, hidden=hidden)
+    staging = HostStaging(1, 64 * hidden * rows.element_size(), 0, pinned=False)
+    with staging.buffer() as buffer:
+        staged = read_final_rows(view, chosen, layer=layer, hidden=hidden, staging=buffer)
+        # a second read into the same buffer (the next piece of a shard) overwrites it from the start
+        again = read_final_rows(view, chosen[1:], layer=layer, hidden=hidden, staging=buffer)
 
     expected = torch.cat([tensors[name][positions, -1] for name, positions, _ in chosen])
     assert rows.dtype == expected.dtype and torch.equal(rows, expected)
+    assert torch.equal(staged[: len(expected) - len(spans)], expected[len(spans) :])  # `again` wrote over it
+    assert torch.equal(again, expected[len(spans) :])
+    with pytest.raises(ValueError, match="staging buffer holds"):
+        read_final_rows(view, [(names[0], torch.arange(65), None)], layer=layer, hidden=hidden, staging=buffer)
+
+
+def test_final_positions_split_into_pieces_a_staging_buffer_holds():
+    from pipeline.verify_scan import split_positions
+
+    chosen = [("a", torch.arange(5), "ids a"), ("b", torch.arange(10, 13), "ids b"), ("c", torch.tensor([7]), "ids c")]
+    pieces = split_positions(chosen, 4)
+
+    assert [sum(p.numel() for _, p, _ in piece) for piece in pieces] == [4, 4, 1]
+    # in order, every position once, each with its sample's name and ids
+    flat = [(name, int(x), ids) for piece in pieces for name, positions, ids in piece for x in positions]
+    assert flat == [(name, int(x), ids) for name, positions, ids in chosen for x in positions]
+    whole = split_positions(chosen, 100)
+    assert len(whole) == 1 and [(n, p.tolist(), i) for n, p, i in whole[0]] == [(n, p.tolist(), i) for n, p, i in chosen]
+    assert split_positions([], 4) == []
+
+
+def test_scoring_batches_never_exceed_their_rows_unless_one_sample_does():
+    from pipeline.verify_samples import batch_capacity, batches
+
+    items = [(i, None, None, range(n)) for i, n in enumerate([3, 2, 4, 9, 1, 1])]
+    got = [[item[0] for item in batch] for batch in batches(items, 5)]
+
+    assert got == [[0, 1], [2], [3], [4, 5]]  # sample 3 (9 rows) alone: a sample is never split
+    assert batch_capacity(longest=100, stride=4) == 4096
+    assert batch_capacity(longest=20_001, stride=4) == 5000  # positions 1.. every 4th: at most ceil(20000 / 4)
