@@ -360,8 +360,8 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     """Spans of positions (strided slice copies) and scattered ones (a gather) read the same rows."""
     import numpy as np
 
-    from pipeline.shards import read_header
     from pipeline.host_staging import HostStaging
+    from pipeline.shards import read_header
     from pipeline.verify_scan import _ShardView, read_final_rows
 
     path = shards(project)[0]

@@ -48,34 +48,33 @@ if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) u
 # verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
 COLD_PROCESS = (
     "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
-    "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t)"
-)
-
-# the same, after page-locking and freeing host blocks of the sizes the scan's staging asks for (torch's caching host
-# allocator keeps them): if the cold process's first scan is slow because 16 threads page-lock their buffers then,
-# this one's scan is as fast as a warm one (VERIFY_COLD_PREPIN=1)
-PREPIN = (
-    "import torch; blocks = [torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True) "
-    "for mib, n in ((256, 16), (128, 16), (16, 32)) for _ in range(n) if torch.cuda.is_available()]; del blocks; "
+    "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t, verify.__file__)"
 )
 
 
-def run_cold_process(proj: Path, code: str) -> dict:
-    """verify in a fresh interpreter (`code`), its wall, its imports' time, and its metrics' timings."""
+def run_cold_process(proj: Path, code: str, code_dir: str | None = None) -> dict:
+    """verify in a fresh interpreter (`code`), its wall, its imports' time, and its metrics' timings. `code_dir`: a
+    directory whose `pipeline` package the process imports instead of this checkout's (an older commit's, for a
+    before/after in one call: VERIFY_COLD_BASELINE)."""
     from pipeline import layout
 
+    env = dict(os.environ)
+    if code_dir:
+        env["PYTHONPATH"] = f"{Path(code_dir).resolve()}:{env.get('PYTHONPATH', '')}".rstrip(":")
     t = time.monotonic()
-    cold = subprocess.run([sys.executable, "-c", code], cwd=proj, capture_output=True, text=True)
+    cold = subprocess.run([sys.executable, "-c", code], cwd=proj, capture_output=True, text=True, env=env)
     wall = time.monotonic() - t
     line = next((x for x in cold.stdout.splitlines() if x.startswith("COLD")), None)
     metrics = json.loads((proj / layout.METRICS / "verify.json").read_text()) if cold.returncode == 0 else None
     return {
         "passed": cold.returncode == 0,
+        "code": line.split()[3] if line else code_dir,  # the verify module the process ran
         "process_wall_s": round(wall, 2),
         "imports_s": round(float(line.split()[1]), 2) if line else None,
         "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
         "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
-        "metrics": {k: v for k, v in metrics.items() if k.endswith("seconds") or k == "reference_load"} if metrics else None,
+        "metrics": {k: v for k, v in metrics.items() if k.endswith("seconds") or k in ("reference_load", "verify_workers")}
+        if metrics else None,
     }
 
 
@@ -91,13 +90,16 @@ def py_spy() -> str | None:
 
 
 def profiled_cold_process(proj: Path, out: Path) -> dict:
-    """The cold verify process once more, sampled by py-spy (every thread, idle ones too, 100 Hz): where the
+    """The cold verify process once more, sampled by py-spy (every thread, idle ones too, or VERIFY_PYSPY=gil: only
+    the one holding the GIL; 100 Hz): where the
     scan's threads spend the wall, as collapsed stacks (out/verify_pyspy.txt; `bench/pyspy_summary.py` reads it)."""
     binary = py_spy()
     if binary is None:
         return {"skipped": "no py-spy (carry its wheel in .gpucarry/whl)"}
     target = out / "verify_pyspy.txt"
-    cmd = [binary, "record", "--idle", "--threads", "--rate", "100", "--format", "raw", "--output", str(target),
+    # VERIFY_PYSPY=gil: only samples of threads holding the GIL (how much of the wall one interpreter lock holds)
+    which = ["--gil"] if os.environ.get("VERIFY_PYSPY") == "gil" else ["--idle"]
+    cmd = [binary, "record", *which, "--threads", "--rate", "100", "--format", "raw", "--output", str(target),
            "--", sys.executable, "-c", COLD_PROCESS]
     t = time.monotonic()
     run = subprocess.run(cmd, cwd=proj, capture_output=True, text=True)
@@ -273,10 +275,12 @@ def job_verify_all(state: dict, name: str) -> dict:
     else:
         summary["cold_process"] = run_cold_process(proj, COLD_PROCESS)
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
-    if os.environ.get("VERIFY_COLD_PREPIN") == "1":
-        summary["cold_process_prepinned"] = run_cold_process(proj, PREPIN + COLD_PROCESS)
-        log(f"verifyall {name} cold_process_prepinned: {json.dumps(summary['cold_process_prepinned'])}")
-    if os.environ.get("VERIFY_PYSPY") == "1":
+    if baseline := os.environ.get("VERIFY_COLD_BASELINE"):  # another commit's pipeline/, then this one's again
+        summary["cold_process_baseline"] = run_cold_process(proj, COLD_PROCESS, baseline)
+        log(f"verifyall {name} cold_process_baseline: {json.dumps(summary['cold_process_baseline'])}")
+        summary["cold_process_again"] = run_cold_process(proj, COLD_PROCESS)
+        log(f"verifyall {name} cold_process_again: {json.dumps(summary['cold_process_again'])}")
+    if os.environ.get("VERIFY_PYSPY") in ("1", "gil"):
         summary["profiled_cold_process"] = profiled_cold_process(proj, Path(state["out"]))
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
     import torch
