@@ -165,7 +165,9 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
     out.append(
         f"Reference forward: {s.get('reference')}, because {s.get('reference_choice')} ({BUDGET_PARAM}). "
         f"Reference models: {s.get('reference_load')} ({s.get('reference_load_seconds')} s{', while the shards were scanned' if s.get('reference') == 'whole model' else ', after the scan'}); "
-        f"shard scan {s.get('scan_seconds')} s; reference forwards and comparisons {s.get('reference_check_seconds')} s."
+        f"per-sample predictors fitted in {s.get('coherence_fit_seconds')} s; the scan's staging buffers made in "
+        f"{s.get('staging_seconds')} s; shard scan {s.get('scan_seconds')} s; reference forwards and comparisons "
+        f"{s.get('reference_check_seconds')} s."
     )
     return "\n".join(out) + "\n"
 

@@ -385,33 +385,46 @@ class Coherence:
         index = indices.to(self.device, non_blocking=True)
         tokens_at, neighbours, following = index[:n], index[n : 3 * n], index[3 * n : 4 * n]
         tried, of_sample, kept_rows = index[4 * n : 4 * n + m], index[4 * n + m : 4 * n + 2 * m], index[4 * n + 2 * m :]
-        h = self.states(rows, dtype)
+        stored = (rows.view(torch.bfloat16) if dtype == "BF16" else rows).to(self.device, non_blocking=True)
+        h = stored.float()  # [n, L, H]
         # a row's prediction is (its layers) @ W[:LH] + E @ W[LH:LH+H] + W[LH+H]: the contrast rows (the other layers
         # of the next judged position) reuse the first product, the exchange rows correct it with
-        # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew
-        # (the first layer's prediction from E alone, the last H columns, has no layer inputs: from_layers' part is 0).
+        # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew.
         # The constant row is added, not multiplied in as a column of ones: an inner dimension of H + 1 is odd, and
         # odd leading dimensions put every product with it on an unaligned GEMM (the H200's profile: a Turing-era
-        # `align1` kernel, 0.87 s of the 8B scan at ~70 TFLOP/s)
-        from_layers = torch.zeros(n, (L + 1) * H, device=self.device)
-        from_token = torch.empty_like(from_layers)
-        flat = h.flatten(1)
-        token = self.embedding[tokens_at].float()
+        # `align1` kernel, 0.87 s of the 8B scan at ~70 TFLOP/s).
+        # Every [n, L, H] fp32 pass costs as much as a product here (the H200's profile: elementwise kernels were 40%
+        # of the scan's GPU time): the products' outputs are cast once into place, the first layer's prediction from
+        # E alone (the last H columns) is kept apart from the layers', and a residual is formed once for every test.
+        compute = self._compute_weights(folds[0])[0].dtype
+
+        def as_input(t: torch.Tensor) -> torch.Tensor:  # bf16 rows stay as uploaded
+            return t if t.dtype == compute else t.float().to(compute)
+
+        flat = as_input(stored).flatten(1)
+        token = as_input(self.embedding[tokens_at])
+        from_layers = torch.empty(n, L * H, device=self.device)
+        from_token = torch.empty(n, (L + 1) * H, device=self.device)  # the layers' targets, then the first layer's
         for fold, (a, b) in fold_rows.items():
             weights = self._compute_weights(fold)[0]
-            from_layers[a:b, : L * H] = self._predict(flat[a:b], weights[: L * H, : L * H])
-            from_token[a:b] = self._predict(token[a:b], weights[L * H : L * H + H]) + weights[L * H + H].float()
-        pred = from_layers + from_token
+            from_layers[a:b] = torch.mm(flat[a:b], weights[: L * H, : L * H])
+            torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
         energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
-        share = self._shares(h, pred, energy)
-        contrast = self._shares(h, from_layers[following] + from_token, energy)[:, :L]
-        first = h[:, 0]  # the first layer from [E, 1] alone
-        e = self.embedding[neighbours].float()
+        token_pred = from_token[:, L * H :]  # the first layer from [E, 1] alone
+        pred_layers = from_layers + from_token[:, : L * H]
+        residual = h - pred_layers.view(n, L, H)
+        share = _as_share(torch.cat([residual.pow(2).sum(-1), (h[:, 0] - token_pred).pow(2).sum(-1)[:, None]], 1),
+                          torch.cat([energy, energy[:, :1]], 1))
+        contrast = from_layers[following]
+        contrast += from_token[:, : L * H]
+        contrast = _as_share(torch.sub(h.flatten(1), contrast, out=contrast).view(n, L, H).pow(2).sum(-1), energy)
+        first = h[:, 0]
+        e = as_input(self.embedding[neighbours])
         from_neighbours = torch.empty(2 * n, H, device=self.device)
         for fold, (a, b) in fold_rows.items():
             token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
             for at in (0, n):  # the previous tokens' rows, then the next tokens'
-                from_neighbours[at + a : at + b] = self._predict(e[at + a : at + b], token_weights[:H]) + token_weights[H].float()
+                torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[at + a : at + b])
         tokens = (first.repeat(2, 1) - from_neighbours).pow(2).sum(-1).reshape(2, n)
         tokens = tokens.min(0).values / first.pow(2).sum(-1).clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)
@@ -419,13 +432,13 @@ class Coherence:
         raw = share[:, :L]
         geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
         # whitened residual of each layer: ||(r U) * weights||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
-        residual = (h - pred.reshape(-1, L + 1, H)[:, :L]).transpose(0, 1)  # [L, n, H]
-        projected = torch.empty(L, n, H, device=self.device)
+        by_layer = residual.transpose(0, 1)  # [L, n, H]
+        white = torch.empty(n, L, device=self.device)
         for (fold, half), (a, b) in half_rows.items():
             eigenvectors, scales = self._compute_whitener(fold, half)
-            projected[:, a:b] = torch.bmm(residual[:, a:b].to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
-        white = projected.pow(2).sum(-1).T / energy.clamp_min(1e-30)
-        white = torch.where(energy > 0, white, torch.full_like(white, ZERO_ROW_SHARE))
+            projected = torch.bmm(by_layer[:, a:b].to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
+            white[a:b] = projected.pow(2).sum(-1).T
+        white = _as_share(white, energy)
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
@@ -439,7 +452,7 @@ class Coherence:
             for fold, (a, b) in tried_rows.items():
                 differences = self._compute_weights(fold)[1][:, :, : L * H]
                 correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
-            swapped_pred = pred[tried][:, : L * H][None] + correction
+            swapped_pred = pred_layers[tried][None] + correction
             swapped_pred = swapped_pred.reshape(L - 1, -1, L, H)
             hx = ht[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
             swapped = ((hx - swapped_pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(-1)
@@ -450,6 +463,11 @@ class Coherence:
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                 for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+
+
+def _as_share(squared: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
+    """Squared residual norms as shares of the states' energy; an all-zero state (energy 0): ZERO_ROW_SHARE."""
+    return torch.where(energy > 0, squared / energy.clamp_min(1e-30), torch.full_like(squared, ZERO_ROW_SHARE))
 
 
 def row_spans(keys: list, starts, ends) -> dict:

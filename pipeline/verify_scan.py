@@ -214,8 +214,13 @@ class FinalHead:
         return torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
 
 
+# scan threads by default: on an H200 (8B shape, 16 cores) 4 threads kept its GPU as busy as 16 did, and 16 took 2-3x
+# the thread-seconds (GIL, page-locked staging, the GPU's queues); docs/BENCHMARKS.md "Verify's scan, session 16"
+DEFAULT_WORKERS = 4
+
+
 def default_workers() -> int:
-    return max(1, min(32, len(os.sched_getaffinity(0))))
+    return max(1, min(DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
 
 
 def staging_for(ctx: ScanContext, threads: int) -> HostStaging:

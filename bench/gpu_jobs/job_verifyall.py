@@ -35,7 +35,10 @@ for slots in filter(None, os.environ.get("VERIFY_SCORING_SLOTS", "").split(","))
     VERIFY_MODES[f"scoring_slots_{slots}"] = {"_scoring_slots": int(slots)}
 if os.environ.get("VERIFY_SWITCH_INTERVAL"):  # the GIL's switch interval (s; Python's default 0.005) during the run
     VERIFY_MODES[f"switch_interval_{os.environ['VERIFY_SWITCH_INTERVAL']}"] = {"_switch_interval": float(os.environ["VERIFY_SWITCH_INTERVAL"])}
-if os.environ.get("VERIFY_TORCH_PROFILE") == "1":  # the scan's CUDA kernels: their total and their union against its wall
+# the scan's CUDA kernels (their total and their union against its wall) and the host's CUDA API calls: "1" a run of
+# its own after the others; or the modes to profile, e.g. "default,default_again" (the process's first scan and a warm one)
+PROFILED = os.environ.get("VERIFY_TORCH_PROFILE", "")
+if PROFILED == "1":
     VERIFY_MODES["kernel_profile"] = {"_kernel_profile": True}
 if os.environ.get("VERIFY_TORCH_THREADS"):  # torch's intra-op threads (CPU ops of 16 scan threads may oversubscribe)
     VERIFY_MODES[f"torch_threads_{os.environ['VERIFY_TORCH_THREADS']}"] = {"_torch_threads": int(os.environ["VERIFY_TORCH_THREADS"])}
@@ -46,19 +49,21 @@ if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) u
 
 
 # verify's own run in a fresh interpreter: imports (torch, transformers, datasets) included
+# (VERIFY_COLD_PARAMS in its environment: verify params as JSON, e.g. '{"workers": 4}'; a cold process variant's)
 COLD_PROCESS = (
-    "import time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
-    "i = time.monotonic() - t; verify.run(VerifyParams()); print('COLD', i, time.monotonic() - t, verify.__file__)"
+    "import json, os, time; t = time.monotonic(); from pipeline.params import VerifyParams; from pipeline.stages import verify; "
+    "i = time.monotonic() - t; verify.run(VerifyParams(**json.loads(os.environ.get('VERIFY_COLD_PARAMS', '{}')))); "
+    "print('COLD', i, time.monotonic() - t, verify.__file__)"
 )
 
 
-def run_cold_process(proj: Path, code: str, code_dir: str | None = None) -> dict:
+def run_cold_process(proj: Path, code: str, code_dir: str | None = None, extra_env: dict | None = None) -> dict:
     """verify in a fresh interpreter (`code`), its wall, its imports' time, and its metrics' timings. `code_dir`: a
     directory whose `pipeline` package the process imports instead of this checkout's (an older commit's, for a
-    before/after in one call: VERIFY_COLD_BASELINE)."""
+    before/after in one call); `extra_env`: variables set for it (VERIFY_COLD_VARIANTS)."""
     from pipeline import layout
 
-    env = dict(os.environ)
+    env = {**os.environ, **(extra_env or {})}
     if code_dir:
         env["PYTHONPATH"] = f"{Path(code_dir).resolve()}:{env.get('PYTHONPATH', '')}".rstrip(":")
     t = time.monotonic()
@@ -69,6 +74,7 @@ def run_cold_process(proj: Path, code: str, code_dir: str | None = None) -> dict
     return {
         "passed": cold.returncode == 0,
         "code": line.split()[3] if line else code_dir,  # the verify module the process ran
+        "env": extra_env or {},
         "process_wall_s": round(wall, 2),
         "imports_s": round(float(line.split()[1]), 2) if line else None,
         "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
@@ -168,22 +174,28 @@ def kernel_profile(prof) -> dict:
     time the GPU had any of it running), and the kernels that took most."""
     from torch.autograd import DeviceType
 
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
     union, end = 0.0, float("-inf")
     for a, b in spans:
         if b > end:
             union += b - max(a, end)
             end = b
     by_name: dict[str, list] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            row = by_name.setdefault(e.name[:80], [0, 0.0])
-            row[0] += 1
-            row[1] += e.time_range.end - e.time_range.start
+    api: dict[str, list] = {}  # the host's CUDA runtime and driver calls (launches, allocations, synchronisations, loads)
+    for e in events:
+        table = by_name if e.device_type == DeviceType.CUDA else api
+        row = table.setdefault(e.name[:80], [0, 0.0, 0.0])
+        row[0] += 1
+        row[1] += e.time_range.end - e.time_range.start
+        row[2] = max(row[2], e.time_range.end - e.time_range.start)
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
+    calls = sorted(api.items(), key=lambda kv: -kv[1][1])[:15]
     return {"gpu_work_s": round(sum(b - a for a, b in spans) / 1e6, 3), "gpu_any_busy_s": round(union / 1e6, 3),
             "gpu_ops": len(spans), "first_to_last_s": round((spans[-1][1] - spans[0][0]) / 1e6, 3) if spans else None,
-            "top": [{"name": k, "count": v[0], "s": round(v[1] / 1e6, 4)} for k, v in top]}
+            "top": [{"name": k, "count": v[0], "s": round(v[1] / 1e6, 4)} for k, v in top],
+            "host_calls": [{"name": k, "count": v[0], "thread_s": round(v[1] / 1e6, 4), "longest_ms": round(v[2] / 1e3, 2)}
+                           for k, v in calls]}
 
 
 def profiling_scan(timings: dict) -> None:
@@ -275,11 +287,6 @@ def job_verify_all(state: dict, name: str) -> dict:
     else:
         summary["cold_process"] = run_cold_process(proj, COLD_PROCESS)
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
-    if baseline := os.environ.get("VERIFY_COLD_BASELINE"):  # another commit's pipeline/, then this one's again
-        summary["cold_process_baseline"] = run_cold_process(proj, COLD_PROCESS, baseline)
-        log(f"verifyall {name} cold_process_baseline: {json.dumps(summary['cold_process_baseline'])}")
-        summary["cold_process_again"] = run_cold_process(proj, COLD_PROCESS)
-        log(f"verifyall {name} cold_process_again: {json.dumps(summary['cold_process_again'])}")
     if os.environ.get("VERIFY_PYSPY") in ("1", "gil"):
         summary["profiled_cold_process"] = profiled_cold_process(proj, Path(state["out"]))
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
@@ -294,7 +301,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         torch.set_num_threads(params.pop("_torch_threads", threads_before))
         slots_before = verify_samples.SCORING_SLOTS
         verify_samples.SCORING_SLOTS = params.pop("_scoring_slots", slots_before)
-        if params.pop("_kernel_profile", False):
+        if params.pop("_kernel_profile", False) or mode in PROFILED.split(","):
             profiling_scan(timings)
         interval_before = sys.getswitchinterval()
         sys.setswitchinterval(params.pop("_switch_interval", interval_before))
@@ -335,6 +342,14 @@ def job_verify_all(state: dict, name: str) -> dict:
             "checks": metrics.get("checks"),
         }
         log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
+    # more cold processes, after the modes: another commit's pipeline/ (for a before/after in one call) or other
+    # settings of the environment, as JSON {"name": {"code": directory or null, "env": {variable: value}}}
+    for variant, how in json.loads(os.environ.get("VERIFY_COLD_VARIANTS", "{}")).items():
+        summary[f"cold_process_{variant}"] = run_cold_process(proj, COLD_PROCESS, how.get("code"), how.get("env"))
+        log(f"verifyall {name} cold_process_{variant}: {json.dumps(summary[f'cold_process_{variant}'])}")
+    if os.environ.get("VERIFY_SKIP_PRELOADED") == "1":
+        log(f"verifyall {name}: {json.dumps(summary)}")
+        return {"summary": summary}
     # the data pass alone: references loaded beforehand (what grows with the data, without the
     # load it otherwise overlaps)
     from pipeline import reference
