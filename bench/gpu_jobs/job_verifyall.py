@@ -318,6 +318,7 @@ def job_verify_all(state: dict, name: str) -> dict:
             "verify_s": round(verify_s, 2),
             **timings,
             "scan_s": metrics.get("scan_seconds"),
+            "staging_s": metrics.get("staging_seconds"),
             "reference": metrics.get("reference"),
             "reference_choice": metrics.get("reference_choice"),
             "reference_load": metrics.get("reference_load"),
