@@ -409,15 +409,15 @@ class Coherence:
             weights = self._compute_weights(fold)[0]
             from_layers[a:b] = torch.mm(flat[a:b], weights[: L * H, : L * H])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
-        energy = h.pow(2).sum(-1)  # [n, L]: each state's squared norm, the denominator of every share below
+        energy = _squared_norm(h)  # [n, L]: each state's squared norm, the denominator of every share below
         token_pred = from_token[:, L * H :]  # the first layer from [E, 1] alone
         pred_layers = from_layers + from_token[:, : L * H]
         residual = h - pred_layers.view(n, L, H)
-        share = _as_share(torch.cat([residual.pow(2).sum(-1), (h[:, 0] - token_pred).pow(2).sum(-1)[:, None]], 1),
+        share = _as_share(torch.cat([_squared_norm(residual), _squared_norm(h[:, 0] - token_pred)[:, None]], 1),
                           torch.cat([energy, energy[:, :1]], 1))
         contrast = from_layers[following]
         contrast += from_token[:, : L * H]
-        contrast = _as_share(torch.sub(h.flatten(1), contrast, out=contrast).view(n, L, H).pow(2).sum(-1), energy)
+        contrast = _as_share(_squared_norm(torch.sub(h.flatten(1), contrast, out=contrast).view(n, L, H)), energy)
         first = h[:, 0]
         e = as_input(self.embedding[neighbours])
         from_neighbours = torch.empty(2 * n, H, device=self.device)
@@ -425,8 +425,8 @@ class Coherence:
             token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
             for at in (0, n):  # the previous tokens' rows, then the next tokens'
                 torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[at + a : at + b])
-        tokens = (first.repeat(2, 1) - from_neighbours).pow(2).sum(-1).reshape(2, n)
-        tokens = tokens.min(0).values / first.pow(2).sum(-1).clamp_min(1e-30)
+        tokens = _squared_norm(first.repeat(2, 1) - from_neighbours).reshape(2, n)
+        tokens = tokens.min(0).values / energy[:, 0].clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
         raw = share[:, :L]
@@ -437,7 +437,7 @@ class Coherence:
         for (fold, half), (a, b) in half_rows.items():
             eigenvectors, scales = self._compute_whitener(fold, half)
             projected = torch.bmm(by_layer[:, a:b].to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
-            white[a:b] = projected.pow(2).sum(-1).T
+            white[a:b] = _squared_norm(projected).T
         white = _as_share(white, energy)
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
@@ -455,7 +455,7 @@ class Coherence:
             swapped_pred = pred_layers[tried][None] + correction
             swapped_pred = swapped_pred.reshape(L - 1, -1, L, H)
             hx = ht[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
-            swapped = ((hx - swapped_pred).pow(2).sum(-1) / hx.pow(2).sum(-1).clamp_min(1e-30)).sum(-1)
+            swapped = (_squared_norm(hx - swapped_pred) / _squared_norm(hx).clamp_min(1e-30)).sum(-1)
             gain = (given - swapped.clamp_min(1e-30).log()).T  # [k, L - 1]
             exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         # one host copy for the batch (tests and exchange together)
@@ -463,6 +463,11 @@ class Coherence:
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                 for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+
+
+def _squared_norm(x: torch.Tensor) -> torch.Tensor:
+    """||x||^2 over the last dimension in one reduction (x.pow(2).sum(-1) writes and reads x's size once more)."""
+    return torch.linalg.vector_norm(x, dim=-1).square()
 
 
 def _as_share(squared: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
