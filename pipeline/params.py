@@ -239,8 +239,8 @@ class VerifyParams(_Section):
     audit_min_shards: int = Field(2, ge=0, description="Audit at least this many shards (all if there are fewer).")
     final_state_positions_per_shard: int | None = Field(
         2048, ge=1,
-        description="A seeded sample of this many masked positions per shard goes through lm_head for the per-shard "
-        "next-token check; null = every one (lm_head is ~5% of an 8B target's FLOPs per token: at every position about a "
+        description="A seeded sample of this many masked positions per shard (of those the per-sample tests judge) goes "
+        "through lm_head for the per-shard next-token check; null = every one (lm_head is ~5% of an 8B target's FLOPs per token: at every position about a "
         "quarter of verify's data pass on the H200, docs/BENCHMARKS.md). Per-sample faults are the per-sample tests' job.",
     )
     reference_memory_gib: float | None = Field(

@@ -109,7 +109,8 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
     s = report.summary
     verdict = "PASSED" if metrics["passed"] else "FAILED"
     sampled = s.get("final_state_positions") != s.get("masked_positions")
-    positions_note = " (a seeded sample per shard: verify.final_state_positions_per_shard)" if sampled else ""
+    positions_note = (" (a seeded sample per shard of those the per-sample tests judge: verify.final_state_positions_per_shard)"
+                      if sampled else "")
     out = [
         f"# Hidden-state verification: {verdict}",
         "",

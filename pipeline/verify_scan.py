@@ -37,7 +37,7 @@ from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
-from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity
+from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, sample_positions
 
 _ShardView = ShardView  # the name tests and benches know
 
@@ -308,7 +308,7 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
 def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
-    masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, masked positions, ids) per sample
+    masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, check 4's candidate positions, ids) per sample
     in_shard: set[int] = set()
     to_score: list = []  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
     loop_started = time.perf_counter()
@@ -358,6 +358,13 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
         if ctx.coherence is not None:
             to_score.append((sid, hs, shard.header[name]["dtype"], ids))
         positions = mask[:-1].bool().nonzero().squeeze(-1)
+        scan.masked_positions += positions.numel()
+        if ctx.coherence is not None and ctx.final_state_positions is not None:
+            # a sample of them is enough: drawn from the positions the per-sample tests read, whose rows the scoring's
+            # gather has mapped by then (scattered rows elsewhere page-fault: an H200's scan read them at a quarter of
+            # the gather's rate)
+            judged = torch.from_numpy(sample_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid))
+            positions = positions[torch.isin(positions, judged)]
         if positions.numel():
             masked.append((name, positions, ids))
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
@@ -367,7 +374,6 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
             t = time.perf_counter()
             scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed, staging))
             scan.timed("sample_coherence", t)
-        scan.masked_positions = sum(p.numel() for _, p, _ in masked)
         chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
         predicted = []
         # through lm_head in pieces the staging buffer holds (one, unless every masked position is asked for)
@@ -396,7 +402,8 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
 
 def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:
     """The masked positions whose final state goes through lm_head: all of them, or a seeded
-    sample of `limit` across the shard (`verify.final_state_positions_per_shard`)."""
+    sample of `limit` across the shard (`verify.final_state_positions_per_shard`) of the candidates (with the per-sample
+    tests on, the masked positions they judge)."""
     total = sum(p.numel() for _, p, _ in masked)
     if limit is None or total <= limit:
         return masked

@@ -12,8 +12,9 @@ Checks (docs/ARCHITECTURE.md lists what each catches):
               the sample's own windows at a Bonferroni-bounded false-alarm rate; layers exchanged
   reference   a seeded subset re-run through transformers: per-layer error and cosine, a
               layer-identity matrix that must peak at the declared id, a +-1 token shift test
-  final_state on every masked position: argmax(lm_head(norm(h_N))) against the next token,
-              and against the reference forward's argmax on the reference subset
+  final_state on a seeded sample of masked positions per shard (final_state_positions_per_shard, of
+              those the per-sample tests judge; null: every one): argmax(lm_head(norm(h_N))) against
+              the next token, and against the reference forward's argmax on the reference subset
   storage     bytes per token against the minimum L x H x dtype size
 A failed check exits non-zero naming shard, sample, layer and check; no verdict is written.
 """
