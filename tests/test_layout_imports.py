@@ -1,4 +1,5 @@
-"""The import graph of pipeline/, drawn from the source with ast: no circle, and no module below the stages imports one.
+"""The import graph of pipeline/, drawn from the source with ast: no circle, no module below the stages imports one,
+and every stage's dvc.yaml deps list the code that decides its outputs (all it imports but the plumbing named below).
 
 Every `import pipeline.x` / `from pipeline.x import y` counts, at module level or inside a function
 (a lazy import still runs back up). `from pipeline.stages import SECTION` names the stage registry
@@ -98,3 +99,51 @@ def test_a_cycle_would_be_found() -> None:
 def test_nothing_below_the_stages_imports_a_stage() -> None:
     climbs = {m: sorted(n for n in GRAPH[m] if is_stage(n)) for m in GRAPH if not is_stage(m)}
     assert not {m: n for m, n in climbs.items() if n}, "modules below the stages import stage modules"
+
+
+# What a stage's dvc.yaml `deps:` may leave out of the code it imports: plumbing that moves or names things without
+# deciding what any stage computes (an edit to it must not re-run a GPU-day extraction) ...
+PLUMBING = {
+    "pipeline.atomic": "writes a file whole or not at all",
+    "pipeline.errors": "error types",
+    "pipeline.layout": "where outputs live (moving one is a dvc.yaml edit anyway)",
+    "pipeline.params": "the params schema: every value a stage reads is a params.yaml key its `params:` list tracks",
+    "pipeline.progress": "progress bars",
+    "pipeline.target": "reads target.json (a dep through artifacts/model) and hashes files",
+    "pipeline.invalidation": "the table the `params:` lists follow",
+}
+# ... and, per stage, modules imported for another stage's sake
+IMPORTED_ONLY = {
+    "check": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "regenerate": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "eval": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "train": {"pipeline.shard_stats": "the statistics shards.py writes, not what it reads"},
+}
+
+
+def closure(module: str) -> set[str]:
+    seen, todo = set(), [module]
+    while todo:
+        m = todo.pop()
+        if m not in seen:
+            seen.add(m)
+            todo += GRAPH.get(m, ())
+    return seen
+
+
+def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
+    """dvc.yaml lists, for every stage, each pipeline module its entry imports (directly or not) but the plumbing
+    above: a module that decides a stage's outputs and is not listed would let an edit to it leave a stale output in
+    place (verify_fit.py and verify_whitening.py were missing from verify's until session 16)."""
+    import yaml
+
+    stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]
+    missing = {}
+    for stage, spec in stages.items():
+        listed = {d for d in spec.get("deps", []) if isinstance(d, str)}
+        skip = PLUMBING.keys() | IMPORTED_ONLY.get(stage, {}).keys()
+        files = {str(MODULES[m].relative_to(PIPELINE.parent)) for m in closure(f"pipeline.stages.{stage}") - skip - {"pipeline"}}
+        absent = sorted(f for f in files if not any(f == d or f.startswith(d.rstrip("/") + "/") for d in listed))
+        if absent:
+            missing[stage] = absent
+    assert missing == {}, f"dvc.yaml deps lack the code that decides these stages' outputs: {missing}"
