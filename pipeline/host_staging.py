@@ -29,7 +29,7 @@ class StagingBuffer:
 
     def view(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
         """The first bytes of `rows` as a [shape] tensor of `dtype`."""
-        size = int(np.prod(shape)) * torch.empty(0, dtype=dtype).element_size()
+        size = int(np.prod(shape)) * dtype.itemsize
         if size > self.rows.numel():
             raise ValueError(f"{list(shape)} {dtype} needs {size} bytes; the staging buffer holds {self.rows.numel()}")
         return self.rows[:size].view(dtype).view(shape)
@@ -47,8 +47,7 @@ class HostStaging:
         self.count, self.row_bytes, self.index_count, self.pinned = count, row_bytes, index_count, pinned
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         for _ in range(count):
-            self._free.put(StagingBuffer(torch.empty(row_bytes, dtype=torch.uint8, pin_memory=pinned),
-                                         torch.empty(index_count, dtype=torch.int64, pin_memory=pinned)))
+            self._free.put(new_buffer(row_bytes, index_count, pinned))
 
     @property
     def nbytes(self) -> int:
@@ -64,7 +63,7 @@ class HostStaging:
             self._free.put(taken)
 
 
-def temporary_buffer(row_bytes: int, index_count: int, pinned: bool) -> StagingBuffer:
-    """A buffer for one call outside the scan (the fit's checks, a test scoring one sample)."""
+def new_buffer(row_bytes: int, index_count: int, pinned: bool) -> StagingBuffer:
+    """One buffer: the pool's, or one for a single call outside the scan (`Coherence.score`, the benches)."""
     return StagingBuffer(torch.empty(row_bytes, dtype=torch.uint8, pin_memory=pinned),
                          torch.empty(index_count, dtype=torch.int64, pin_memory=pinned))

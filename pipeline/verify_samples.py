@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.host_staging import StagingBuffer, temporary_buffer
+from pipeline.host_staging import StagingBuffer, new_buffer
 from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
@@ -275,16 +275,15 @@ class Coherence:
         return torch.mm(x.to(weights.dtype), weights).float()
 
     @staticmethod
-    def _shares(h: torch.Tensor, pred: torch.Tensor, energy: torch.Tensor | None = None) -> torch.Tensor:
+    def _shares(h: torch.Tensor, pred: torch.Tensor) -> torch.Tensor:
         """[P, L + 1] residual shares of the layers (from the others) and of the first layer (from E),
-        given the predictions [P, (L + 1) H] (`energy`: the states' [P, L] squared norms, when the caller has them)."""
+        given the predictions [P, (L + 1) H] (the fit's outlier pass; a scored batch forms its own in _score_batch)."""
         L, H = h.shape[1], h.shape[2]
         pred = pred.reshape(-1, L + 1, H)
         target = torch.cat([h, h[:, :1]], 1)
-        energy = h.pow(2).sum(-1) if energy is None else energy
+        energy = h.pow(2).sum(-1)
         energy = torch.cat([energy, energy[:, :1]], 1)
-        share = (target - pred).pow(2).sum(-1) / energy.clamp_min(1e-30)
-        return torch.where(energy > 0, share, torch.full_like(share, ZERO_ROW_SHARE))
+        return _as_share((target - pred).pow(2).sum(-1), energy)
 
     def score(self, sid: int, hidden: np.ndarray, dtype: str, ids: torch.Tensor) -> SampleScores:
         """One sample's scores (as `score_samples` gives them)."""
@@ -317,7 +316,7 @@ class Coherence:
             group.sort(key=lambda item: item[4:])
             for batch in batches(group, BATCH_ROWS):
                 rows = sum(len(item[3]) for item in batch)
-                buffer = staging or temporary_buffer(rows * batch[0][1][0].nbytes, INDICES_PER_ROW * rows,
+                buffer = staging or new_buffer(rows * batch[0][1][0].nbytes, INDICES_PER_ROW * rows,
                                                      pinned=self.device.type == "cuda")
                 # the host's part first, outside a slot: the scan threads copy rows at once, SCORING_SLOTS hold the GPU
                 t = time.perf_counter()

@@ -223,19 +223,22 @@ def default_workers() -> int:
     return max(1, min(DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
 
 
+def scan_threads(workers: int, shards: int) -> int:
+    return max(1, min(workers, shards))
+
+
 def staging_for(ctx: ScanContext, threads: int) -> HostStaging:
     """One buffer per scan thread, large enough for a coherence batch's judged rows of every captured layer and for
     a chunk of final-layer rows (at the 8B shape: 128 MiB a thread); page-locked where the scan uploads to a GPU."""
-    itemsize = torch.empty(0, dtype=ctx.dtype).element_size()
     rows = batch_capacity(ctx.prepared.longest(), ctx.coherence.stride) if ctx.coherence is not None else 0
-    row_bytes = max(rows * len(ctx.layer_ids), FINAL_CHUNK_POSITIONS) * ctx.hidden_size * itemsize
+    row_bytes = max(rows * len(ctx.layer_ids), FINAL_CHUNK_POSITIONS) * ctx.hidden_size * ctx.dtype.itemsize
     return HostStaging(threads, row_bytes, INDICES_PER_ROW * rows, pinned=torch.cuda.is_available())
 
 
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
     """Scan every shard (in parallel when workers > 1); results come back in `files` order. The audited shards,
     read in full, go first: started last, one of them would be the scan's tail."""
-    threads = max(1, min(workers, len(files)))
+    threads = scan_threads(workers, len(files))
     if ctx.staging is None or ctx.staging.count < threads:
         ctx.staging = staging_for(ctx, threads)
     if threads == 1:
@@ -424,9 +427,9 @@ def split_positions(chosen: list, size: int) -> list[list]:
     pieces, piece, room = [], [], size
     for name, positions, ids in chosen:
         while positions.numel():
-            piece.append((name, positions[:room], ids))
-            room -= min(room, positions.numel())
-            positions = positions[piece[-1][1].numel():]
+            taken, positions = positions[:room], positions[room:]
+            piece.append((name, taken, ids))
+            room -= taken.numel()
             if room == 0:
                 pieces.append(piece)
                 piece, room = [], size

@@ -17,7 +17,7 @@ from pipeline.reference import DTYPES
 from pipeline.verify_fit import fit_coherence
 from pipeline.verify_report import Report
 from pipeline.verify_sample_judge import check_samples
-from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, staging_for
+from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
 
 OUTLIER_FACTOR = 3.0  # a shard's per-layer RMS this far from the median of all shards is flagged
 STORAGE_OVERHEAD_WARN = 1.5
@@ -67,7 +67,7 @@ def check_structure_and_values(
         report.summary["coherence_fit_seconds"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     # the scan threads' page-locked buffers, sized by the run's shape, not its data: a fixed cost, reported apart
-    context.staging = staging_for(context, max(1, min(workers, len(files))))
+    context.staging = staging_for(context, scan_threads(workers, len(files)))
     report.summary["staging_seconds"] = round(time.perf_counter() - t0, 3)
     report.summary["staging_bytes"] = context.staging.nbytes
     t0 = time.perf_counter()
