@@ -1,12 +1,18 @@
 """CPU cost of verify's per-sample scoring (`Coherence.score_samples`: a shard's samples in one batch), this tree
 against an older commit's pipeline/verify_samples.py, on random layer-coherent data of a given shape: predictors fitted
 by each, then the same samples scored by both (the scores are compared, not judged; compute in fp32, and in bf16 as on
-a GPU with --bf16).
+a GPU with --bf16; states stored as F32 or, as an 8B extraction stores them, --stored BF16).
 
     python bench/verify_sample_scoring.py --rev 43cf16e --hidden 1024 --layers 4 --tokens 640 --samples 16
+
+--traffic: what a GPU would run of a batch's scoring, counted from the operations themselves (torch's dispatch, on the
+CPU): per operation its calls and the bytes it reads and writes, in units of one [n, L, H] fp32 tensor (n judged
+rows), the products apart with their flops. On an H200 the passes outside the products were 40% of the scan's GPU time
+(docs/BENCHMARKS.md "Verify's scan, session 16"): this is how a change to them is weighed without one.
 """
 
 import argparse
+import collections
 import importlib.util
 import subprocess
 import sys
@@ -16,6 +22,63 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
+
+
+class Traffic(TorchDispatchMode):
+    """Per aten operation: calls, bytes read, bytes written, flops (products). Views move nothing; an `out=` argument
+    is written, not read; a broadcast input is read once (its storage, where smaller than the view); a gather or a
+    scatter moves its rows, not the whole tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict = collections.defaultdict(lambda: [0, 0, 0, 0.0])
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        schema = func._schema
+        name = schema.name.split("::")[-1]
+        if name in ("empty", "empty_strided") or any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
+            return out  # an allocation or a view: nothing moves
+        values = list(args) + [kwargs.get(arg.name) for arg in schema.arguments[len(args):]]
+        scattered = name in ("index_put_", "index_add_")  # only the indexed rows of `self` move
+        read = sum(size(t) for arg, value in zip(schema.arguments, values, strict=False)
+                   if not (arg.alias_info is not None and arg.alias_info.is_write and (arg.kwarg_only or scattered))
+                   for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor))
+        written = size(values[3 if name == "index_add_" else 2]) if scattered else \
+            sum(size(t) for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+        if name in ("index", "index_select"):  # a gather reads the rows it writes (and its indices), not all of `self`
+            read = written + sum(size(t) for t in tree_flatten(values[1:])[0] if isinstance(t, torch.Tensor))
+        flops = 0.0
+        if name in PRODUCTS:
+            a, b = [t for t in args if isinstance(t, torch.Tensor)][-2:]
+            flops = 2.0 * a.numel() * b.shape[-1]
+        row = self.ops[name]
+        row[0] += 1
+        row[1] += read
+        row[2] += written
+        row[3] += flops
+        return out
+
+
+def size(t: torch.Tensor) -> int:
+    return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
+
+
+def traffic_table(label: str, traffic: Traffic, unit: int) -> None:
+    print(f"{label}: {'operation':24s} {'calls':>6s} {'read':>7s} {'written':>8s} {'GFLOP':>8s}   (bytes in [n, L, H] fp32 units)")
+    passes = [0, 0.0, 0.0]
+    for name, (calls, read, written, flops) in sorted(traffic.ops.items(), key=lambda kv: -(kv[1][1] + kv[1][2])):
+        print(f"{'':{len(label) + 2}s}{name:24s} {calls:6d} {read / unit:7.2f} {written / unit:8.2f} {flops / 1e9:8.1f}")
+        if name not in PRODUCTS:
+            passes = [passes[0] + calls, passes[1] + read / unit, passes[2] + written / unit]
+    total = sum(v[3] for v in traffic.ops.values()) / 1e9
+    print(f"{label}: outside the products {passes[0]} operations, {passes[1]:.2f} read + {passes[2]:.2f} written = "
+          f"{passes[1] + passes[2]:.2f} units; products {total:.1f} GFLOP")
 
 
 def load(path: Path, name: str):
@@ -35,6 +98,8 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=16)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bf16", action="store_true", help="score with bf16 predictors, as on a GPU")
+    ap.add_argument("--stored", choices=("F32", "BF16"), default="F32", help="the states' dtype in the shards")
+    ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
     a = ap.parse_args()
     old_source = subprocess.run(["git", "show", f"{a.rev}:pipeline/verify_samples.py"], capture_output=True, text=True,
                                 check=True).stdout
@@ -53,15 +118,18 @@ def main() -> None:
         for j in range(L):  # each layer a noisy function of the one before: the coherence the predictors fit
             x = x + 0.5 * torch.tanh(x @ mix[j]) + 0.05 * torch.randn(tokens, H)
             layers.append(x)
-        return torch.stack(layers, 1).numpy(), ids
+        states = torch.stack(layers, 1)
+        return (states.to(torch.bfloat16).view(torch.int16) if a.stored == "BF16" else states).numpy(), ids
 
     samples = [sample(a.tokens) for _ in range(a.samples)]
-    items = [(i, h, "F32", ids) for i, (h, ids) in enumerate(samples)]
+    items = [(i, h, a.stored, ids) for i, (h, ids) in enumerate(samples)]
     results = {}
     for label, module in modules.items():
         coherence = module.Coherence(list(range(L)), embedding, 4, 0)
-        coherence.fit((coherence.fold(i), i, coherence.inputs(h[1:], "F32", ids[1:])[1]) for i, (h, ids) in enumerate(samples))
-        if a.bf16:  # the GPU's compute dtype, on the CPU
+        if a.bf16 and hasattr(coherence, "compute_dtype"):  # the GPU's compute dtype, on the CPU
+            coherence.compute_dtype = torch.bfloat16
+        coherence.fit((coherence.fold(i), i, coherence.inputs(h[1:], a.stored, ids[1:])[1]) for i, (h, ids) in enumerate(samples))
+        if a.bf16 and not hasattr(coherence, "compute_dtype"):  # revisions before it: their caches made by hand
             for fold in range(2):
                 w = coherence.weights[fold]
                 rows = w[: L * H].reshape(L, H, -1)
@@ -76,6 +144,17 @@ def main() -> None:
             results[label] = coherence.score_samples(items)
             runs.append(time.perf_counter() - wall)
         print(f"{label}: {min(runs):.3f} s per shard batch ({len(items)} samples x {a.tokens} tokens; best of {a.repeat})")
+        if a.traffic:
+            traffic, rows, scored = Traffic(), [], coherence._score_batch
+
+            def counted(dtype, batch, *staged, _scored=scored, _traffic=traffic, _rows=rows):
+                _rows.append(sum(len(item[3]) for item in batch))
+                with _traffic:
+                    return _scored(dtype, batch, *staged)
+
+            coherence._score_batch = counted
+            coherence.score_samples(items)
+            traffic_table(label, traffic, sum(rows) * L * H * 4)
     old, new = results[a.rev], results["tree"]
     same = all(torch.equal(o.shares, n.shares) and torch.equal(o.exchange, n.exchange) for o, n in zip(old, new, strict=True))
     diff = max(float((o.shares - n.shares).abs().max() / o.shares.abs().max()) for o, n in zip(old, new, strict=True))

@@ -97,6 +97,8 @@ class Coherence:
     def __init__(self, layer_ids: list[int], embedding: torch.Tensor, stride: int, seed: int) -> None:
         self.layer_ids, self.embedding, self.stride, self.seed = layer_ids, embedding, stride, seed
         self.device = embedding.device
+        # the scoring products' dtype: bf16 tensor cores on a GPU (rounding adds ~1e-5 to a share of ~1e-1), fp32 on a CPU
+        self.compute_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
         self.weights: list[torch.Tensor] | None = None  # per fold, the predictors that score it: [(L + 1) H + 1, (L + 1) H]
         # per (fold, half), the whitened test's basis of each layer's clean residual: (eigenvectors [L, H, H], weights [L, H])
         self.whiteners: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] | None = None
@@ -245,20 +247,21 @@ class Coherence:
         cached = self._compute_cache.get(fold)
         if cached is None or cached[0] is not weights:
             L, H = len(self.layer_ids), self.embedding.shape[1]
-            dtype = torch.bfloat16 if self.device.type == "cuda" else weights.dtype
             rows = weights[: L * H].reshape(L, H, -1)
-            cached = self._compute_cache[fold] = (weights, weights.to(dtype), (rows[:-1] - rows[1:]).to(dtype))
+            cached = self._compute_cache[fold] = (weights, weights.to(self.compute_dtype),
+                                                  (rows[:-1] - rows[1:]).to(self.compute_dtype))
         return cached[1], cached[2]
 
-    def _compute_whitener(self, fold: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The whitened test's eigenvectors [L, H, H] in the scoring dtype (bf16 on a GPU: an eigenbasis rounds
-        every direction alike, unlike S^-1, whose 1e2-1e4 spread of scales bf16 would blur) and weights [L, H]."""
+    def _compute_whitener(self, fold: int, half: int) -> torch.Tensor:
+        """The whitened test's basis [L, H, H]: each layer's eigenvectors with their weights folded into the columns,
+        U diag(weights), so that score = ||r U diag(weights)||^2 is one product and one reduction; in the scoring dtype
+        (bf16 on a GPU: a column scaled by a constant rounds as the eigenvector does, every direction alike, unlike
+        S^-1, whose 1e2-1e4 spread of scales bf16 would blur)."""
         vectors, weights = self.whiteners[(fold, half)]
         cached = self._compute_cache.get((fold, half))
         if cached is None or cached[0] is not vectors:
-            dtype = torch.bfloat16 if self.device.type == "cuda" else vectors.dtype
-            cached = self._compute_cache[(fold, half)] = (vectors, vectors.to(dtype), weights)
-        return cached[1], cached[2]
+            cached = self._compute_cache[(fold, half)] = (vectors, (vectors * weights[:, None, :]).to(self.compute_dtype))
+        return cached[1]
 
     def _exchanged_orders(self, layers: int) -> torch.Tensor:
         """[L - 1, L] on the device: the captured layers' order with pair (i, i + 1) exchanged, in row i (made once:
@@ -349,17 +352,15 @@ class Coherence:
 
     def _indices(self, batch: list, buffer: StagingBuffer) -> torch.Tensor:
         """Every index the batch's scoring needs, in one staging buffer (one upload): per judged row its token, the
-        previous and next tokens and the next judged row of its sample (the last one's: the sample's first); per
-        exchange-tried row its row and its sample; per sample its tried rows' count."""
+        previous and next tokens; per sample its first and last judged rows; per exchange-tried row its row and its
+        sample; per sample its tried rows' count."""
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         kept = np.minimum(lengths, EXCHANGE_POSITIONS)
-        following = np.arange(1, int(lengths.sum()) + 1)
-        following[starts + lengths - 1] = starts
         parts = [np.concatenate([ids.numpy()[positions + shift].astype(np.int64) for _, _, ids, positions, *_ in batch])
                  for shift in (0, -1)]
         parts.append(np.concatenate([ids.numpy()[np.minimum(positions + 1, len(ids) - 1)] for _, _, ids, positions, *_ in batch]))
-        parts += [following, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
+        parts += [starts, starts + lengths - 1, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
                   np.repeat(np.arange(len(batch)), kept), kept]
         flat = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
         out = buffer.index_view(flat.size)
@@ -377,96 +378,113 @@ class Coherence:
         L, H = len(self.layer_ids), self.embedding.shape[1]
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-        n, kept = int(lengths.sum()), np.minimum(lengths, EXCHANGE_POSITIONS)
+        n, kept, samples = int(lengths.sum()), np.minimum(lengths, EXCHANGE_POSITIONS), len(batch)
         m = int(kept.sum())
         folds, halves = [item[4] for item in batch], [item[4:] for item in batch]  # the batch is sorted by them
         fold_rows, half_rows = row_spans(folds, starts, starts + lengths), row_spans(halves, starts, starts + lengths)
         index = indices.to(self.device, non_blocking=True)
-        tokens_at, neighbours, following = index[:n], index[n : 3 * n], index[3 * n : 4 * n]
-        tried, of_sample, kept_rows = index[4 * n : 4 * n + m], index[4 * n + m : 4 * n + 2 * m], index[4 * n + 2 * m :]
+        tokens_at, neighbours = index[:n], index[n : 3 * n]
+        firsts, lasts = index[3 * n : 3 * n + samples], index[3 * n + samples : 3 * n + 2 * samples]
+        tried, of_sample, kept_rows = index[3 * n + 2 * samples :].split([m, m, samples])
+        # [n, L, H] as stored (bf16 on a GPU): never copied to fp32 as a whole; every operation that reads it with an
+        # fp32 operand computes in fp32
         stored = (rows.view(torch.bfloat16) if dtype == "BF16" else rows).to(self.device, non_blocking=True)
-        h = stored.float()  # [n, L, H]
         # a row's prediction is (its layers) @ W[:LH] + E @ W[LH:LH+H] + W[LH+H]: the contrast rows (the other layers
         # of the next judged position) reuse the first product, the exchange rows correct it with
         # (h_{i+1} - h_i) @ (W_i - W_{i+1}); about half the multiply-adds of predicting them anew.
         # The constant row is added, not multiplied in as a column of ones: an inner dimension of H + 1 is odd, and
         # odd leading dimensions put every product with it on an unaligned GEMM (the H200's profile: a Turing-era
         # `align1` kernel, 0.87 s of the 8B scan at ~70 TFLOP/s).
-        # Every [n, L, H] fp32 pass costs as much as a product here (the H200's profile: elementwise kernels were 40%
-        # of the scan's GPU time): the products' outputs are cast once into place, the first layer's prediction from
-        # E alone (the last H columns) is kept apart from the layers', and a residual is formed once for every test.
+        # Every pass over [n, L, H] costs a GPU as much as a product here (the H200's profile: elementwise kernels
+        # were 40% of the scan's GPU time), so each is counted (bench/verify_scoring_traffic.py): the layers' product
+        # stays as the GEMM writes it, the residual and its contrast come from one "state minus token part" each, and
+        # the exchange test corrects the residual in place of forming the exchanged states and their predictions.
         compute = self._compute_weights(folds[0])[0].dtype
 
-        def as_input(t: torch.Tensor) -> torch.Tensor:  # bf16 rows stay as uploaded
-            return t if t.dtype == compute else t.float().to(compute)
+        def as_input(t: torch.Tensor) -> torch.Tensor:
+            return t if t.dtype == compute else t.to(compute)
 
         flat = as_input(stored).flatten(1)
         token = as_input(self.embedding[tokens_at])
-        from_layers = torch.empty(n, L * H, device=self.device)
+        from_layers = torch.empty(n, L * H, device=self.device, dtype=compute)
         from_token = torch.empty(n, (L + 1) * H, device=self.device)  # the layers' targets, then the first layer's
         for fold, (a, b) in fold_rows.items():
             weights = self._compute_weights(fold)[0]
-            from_layers[a:b] = torch.mm(flat[a:b], weights[: L * H, : L * H])
+            torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
-        energy = _squared_norm(h)  # [n, L]: each state's squared norm, the denominator of every share below
-        token_pred = from_token[:, L * H :]  # the first layer from [E, 1] alone
-        pred_layers = from_layers + from_token[:, : L * H]
-        residual = h - pred_layers.view(n, L, H)
-        share = _as_share(torch.cat([_squared_norm(residual), _squared_norm(h[:, 0] - token_pred)[:, None]], 1),
+        energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
+        base = torch.sub(stored.flatten(1), from_token[:, : L * H], out=torch.empty(n, L * H, device=self.device))
+        residual = torch.sub(base, from_layers).view(n, L, H)
+        first = stored[:, 0]
+        share = _as_share(torch.cat([_squared_norm(residual), _squared_norm(first - from_token[:, L * H :])[:, None]], 1),
                           torch.cat([energy, energy[:, :1]], 1))
-        contrast = from_layers[following]
-        contrast += from_token[:, : L * H]
-        contrast = _as_share(_squared_norm(torch.sub(h.flatten(1), contrast, out=contrast).view(n, L, H)), energy)
-        first = h[:, 0]
+        # the contrast: a row's state and token part against the next judged row's layers (a sample's last row: its
+        # first row's), as shifted views and a fix-up of one row per sample, not a gather
+        contrast = torch.empty(n, L * H, device=self.device)
+        torch.sub(base[:-1], from_layers[1:], out=contrast[:-1])
+        contrast[lasts] = base[lasts] - from_layers[firsts]
+        contrast = _as_share(_squared_norm(contrast.view(n, L, H)), energy)
         e = as_input(self.embedding[neighbours])
-        from_neighbours = torch.empty(2 * n, H, device=self.device)
+        from_neighbours = torch.empty(2, n, H, device=self.device)  # the previous tokens' rows, then the next tokens'
         for fold, (a, b) in fold_rows.items():
             token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
-            for at in (0, n):  # the previous tokens' rows, then the next tokens'
-                torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[at + a : at + b])
-        tokens = _squared_norm(first.repeat(2, 1) - from_neighbours).reshape(2, n)
+            for k, at in enumerate((0, n)):
+                torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[k, a:b])
+        tokens = _squared_norm(first[None] - from_neighbours)
         tokens = tokens.min(0).values / energy[:, 0].clamp_min(1e-30)
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
         raw = share[:, :L]
         geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
-        # whitened residual of each layer: ||(r U) * weights||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
+        # whitened residual of each layer: ||r (U diag(weights))||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
         by_layer = residual.transpose(0, 1)  # [L, n, H]
         white = torch.empty(n, L, device=self.device)
         for (fold, half), (a, b) in half_rows.items():
-            eigenvectors, scales = self._compute_whitener(fold, half)
-            projected = torch.bmm(by_layer[:, a:b].to(eigenvectors.dtype), eigenvectors).float() * scales[:, None]
-            white[a:b] = _squared_norm(projected).T
+            basis = self._compute_whitener(fold, half)
+            white[a:b] = _squared_norm(torch.bmm(by_layer[:, a:b].to(basis.dtype), basis)).T
         white = _as_share(white, energy)
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
-        exchange = torch.zeros(len(batch), max(L - 1, 0), device=self.device)
+        exchange = torch.zeros(samples, max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
-            tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
-            tried_rows = row_spans(folds, tried_at[:-1], tried_at[1:])
-            given = share[tried, :L].sum(1).clamp_min(1e-30).log()
-            ht = h[tried]
-            hk = ht.transpose(0, 1)  # [L, k, H]
-            step = hk[1:] - hk[:-1]
-            correction = torch.empty(L - 1, step.shape[1], L * H, device=self.device)  # the layers' targets only
-            for fold, (a, b) in tried_rows.items():
-                differences = self._compute_weights(fold)[1][:, :, : L * H]
-                correction[:, a:b] = torch.bmm(step[:, a:b].to(differences.dtype), differences).float()
-            swapped_pred = pred_layers[tried][None] + correction
-            swapped_pred = swapped_pred.reshape(L - 1, -1, L, H)
-            hx = ht[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L, H]: pair i exchanged in the i-th copy
-            swapped = (_squared_norm(hx - swapped_pred) / _squared_norm(hx).clamp_min(1e-30)).sum(-1)
-            gain = (given - swapped.clamp_min(1e-30).log()).T  # [k, L - 1]
-            exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
+            exchange = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
+            exchange = torch.zeros(samples, L - 1, device=self.device).index_add_(0, of_sample, exchange) / kept_rows[:, None]
         # one host copy for the batch (tests and exchange together)
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                 for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
 
+    def _exchange_gain(self, held: torch.Tensor, residual: torch.Tensor, energy: torch.Tensor, share: torch.Tensor,
+                       folds: list, kept: np.ndarray) -> torch.Tensor:
+        """[k, L - 1] per tried row (states as stored, residuals, energies and shares [k, L]) and adjacent pair (i, i + 1):
+        log(share as written / share with the two exchanged). Exchanged, layer j's prediction moves by
+        (h_{i+1} - h_i) @ (W_i - W_{i+1}) (its j-th block), and layers i and i + 1 trade states, so the exchanged
+        residual is the residual minus that correction, plus the step on layer i and minus it on layer i + 1; the
+        exchanged energies are the energies permuted."""
+        L, H = held.shape[1], held.shape[2]
+        k = held.shape[0]
+        step = torch.diff(held.float(), dim=1)  # [k, L - 1, H]: h_{i+1} - h_i
+        by_pair = step.transpose(0, 1)  # [L - 1, k, H]
+        tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
+        swapped = torch.empty(L - 1, k, L * H, device=self.device)
+        for fold, (a, b) in row_spans(folds, tried_at[:-1], tried_at[1:]).items():
+            differences = self._compute_weights(fold)[1][:, :, : L * H]
+            correction = torch.bmm(by_pair[:, a:b].to(differences.dtype), differences)
+            torch.sub(residual[a:b].flatten(1)[None], correction, out=swapped[:, a:b])
+        swapped = swapped.view(L - 1, k, L, H)
+        for i in range(L - 1):
+            swapped[i, :, i] += by_pair[i]
+            swapped[i, :, i + 1] -= by_pair[i]
+        exchanged_energy = energy[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L]
+        ratios = (_squared_norm(swapped) / exchanged_energy.clamp_min(1e-30)).sum(-1)
+        given = share.sum(1).clamp_min(1e-30).log()
+        return (given - ratios.clamp_min(1e-30).log()).T
+
 
 def _squared_norm(x: torch.Tensor) -> torch.Tensor:
-    """||x||^2 over the last dimension in one reduction (x.pow(2).sum(-1) writes and reads x's size once more)."""
-    return torch.linalg.vector_norm(x, dim=-1).square()
+    """||x||^2 over the last dimension in fp32, in one reduction (x.pow(2).sum(-1) writes and reads x's size once more;
+    a bf16 x is read as it is, not copied to fp32 first)."""
+    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()
 
 
 def _as_share(squared: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
