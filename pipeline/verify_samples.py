@@ -45,7 +45,7 @@ RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on t
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
 BATCH_ROWS = 4096  # judged rows scored in one batch at most (at the 8B shape ~0.35 GB of predictions on the device)
-INDICES_PER_ROW = 7  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
+INDICES_PER_ROW = 8  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
@@ -57,6 +57,13 @@ def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarra
     """Every `stride`-th position from a seeded offset, position 0 left out."""
     offset = random.Random(f"{seed}/{sid}").randrange(stride)
     return np.arange(1 + offset, length, stride)
+
+
+def judged_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
+    """The positions the per-sample tests judge: `sample_positions`, or none where there are fewer than two (a judged
+    position is contrasted with another of its sample)."""
+    positions = sample_positions(length, stride, seed, sid)
+    return positions if len(positions) >= 2 else positions[:0]
 
 
 def batch_capacity(longest: int, stride: int) -> int:
@@ -301,22 +308,36 @@ class Coherence:
         a GPU runs a few large products per shard instead of a dozen small kernels per sample. The rows go up from
         `staging` (the scan's, made before it: pipeline/host_staging.py; None: a buffer made for this call). `timed`
         (e.g. `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
+        return self.score_keeping_final_states(samples, {}, timed, staging)[0]
+
+    @torch.inference_mode()
+    def score_keeping_final_states(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
+                                   final_positions: dict[int, np.ndarray],
+                                   timed: Callable[[str, float], float] | None = None,
+                                   staging: StagingBuffer | None = None) -> tuple[list[SampleScores], dict[int, torch.Tensor]]:
+        """`score_samples`, and per sample id in `final_positions` the final captured layer's states [P, H] (as stored,
+        on the scoring device) at those positions, which must be judged ones (`judged_positions`): the final-state
+        check takes them from the rows already uploaded for scoring instead of reading the shard again."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
         groups: dict[str, list] = {}
         for sid, hidden, dtype, ids in samples:
-            positions = sample_positions(hidden.shape[0], self.stride, self.seed, sid)
-            if len(positions) < 2:  # no other judged position to contrast with
-                scored[sid] = SampleScores(sid, positions[:0], torch.zeros(0, tests_per_position(L)))
+            positions = judged_positions(hidden.shape[0], self.stride, self.seed, sid)
+            wanted = np.searchsorted(positions, final_positions.get(sid, positions[:0]))
+            if wanted.size and not np.array_equal(positions[np.minimum(wanted, len(positions) - 1)], final_positions[sid]):
+                raise ValueError(f"sample {sid}: final-state positions that the per-sample tests do not judge")
+            if not len(positions):
+                scored[sid] = SampleScores(sid, positions, torch.zeros(0, tests_per_position(L)))
             else:
-                groups.setdefault(dtype, []).append((sid, hidden, ids, positions, self.fold(sid), self.half(sid)))
+                groups.setdefault(dtype, []).append((sid, hidden, ids, positions, self.fold(sid), self.half(sid), wanted))
         if groups:
             self._ready_for_threads()  # done by `fit`; here for predictors set by hand (one thread)
+        final_states: dict[int, torch.Tensor] = {}
         for dtype, group in groups.items():
             # the products run per (fold, half) on contiguous row ranges, every other operation once per batch (the
             # H200's profile: a shard's samples in up to four batches spent the scan on per-operation work)
-            group.sort(key=lambda item: item[4:])
+            group.sort(key=lambda item: item[4:6])
             for batch in batches(group, BATCH_ROWS):
                 rows = sum(len(item[3]) for item in batch)
                 buffer = staging or new_buffer(rows * batch[0][1][0].nbytes, INDICES_PER_ROW * rows,
@@ -329,11 +350,13 @@ class Coherence:
                 t = lap("coherence_slot_wait", t)
                 try:
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        scored.update(self._score_batch(dtype, batch, *staged))
+                        batch_scores, finals = self._score_batch(dtype, batch, *staged)
                 finally:
                     self._slots.put(stream)
                     lap("coherence_compute", t)
-        return [scored[sid] for sid, *_ in samples]
+                scored.update(batch_scores)
+                final_states.update(zip([item[0] for item in batch], finals.split([len(item[6]) for item in batch]), strict=True))
+        return [scored[sid] for sid, *_ in samples], {sid: final_states[sid] for sid in final_positions}
 
     def _gather(self, batch: list, n: int, buffer: StagingBuffer) -> torch.Tensor:
         """The batch's judged rows [n, L, H] as stored, gathered from the shards' memory maps into the staging buffer
@@ -353,7 +376,7 @@ class Coherence:
     def _indices(self, batch: list, buffer: StagingBuffer) -> torch.Tensor:
         """Every index the batch's scoring needs, in one staging buffer (one upload): per judged row its token, the
         previous and next tokens; per sample its first and last judged rows; per exchange-tried row its row and its
-        sample; per sample its tried rows' count."""
+        sample; per sample its tried rows' count; the rows whose final states are kept."""
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         kept = np.minimum(lengths, EXCHANGE_POSITIONS)
@@ -361,31 +384,32 @@ class Coherence:
                  for shift in (0, -1)]
         parts.append(np.concatenate([ids.numpy()[np.minimum(positions + 1, len(ids) - 1)] for _, _, ids, positions, *_ in batch]))
         parts += [starts, starts + lengths - 1, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
-                  np.repeat(np.arange(len(batch)), kept), kept]
+                  np.repeat(np.arange(len(batch)), kept), kept, np.concatenate([s + item[6] for s, item in zip(starts, batch, strict=True)])]
         flat = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])
         out = buffer.index_view(flat.size)
         out.copy_(torch.from_numpy(flat))
         return out
 
-    def _score_batch(self, dtype: str, batch: list, rows: torch.Tensor, indices: torch.Tensor) -> dict[int, SampleScores]:
+    def _score_batch(self, dtype: str, batch: list, rows: torch.Tensor, indices: torch.Tensor) -> tuple[dict[int, SampleScores], torch.Tensor]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
         layers of the *next* judged position of the same sample, the first layer from the embedding of
         the previous or next token. Clean, the true inputs explain far better (ratio ~0.1); a state that
         is not this token's at this position (zeroed, shifted, another request's or layer's, noise)
         is explained no better by its own inputs than by wrong ones (ratio -> 1). The ratio
-        cancels how predictable a token is, which the share alone varies with."""
+        cancels how predictable a token is, which the share alone varies with. Also the final layer's states [P, H] of
+        the rows kept for the final-state check, as stored."""
         L, H = len(self.layer_ids), self.embedding.shape[1]
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         n, kept, samples = int(lengths.sum()), np.minimum(lengths, EXCHANGE_POSITIONS), len(batch)
-        m = int(kept.sum())
-        folds, halves = [item[4] for item in batch], [item[4:] for item in batch]  # the batch is sorted by them
+        m, p = int(kept.sum()), sum(len(item[6]) for item in batch)
+        folds, halves = [item[4] for item in batch], [item[4:6] for item in batch]  # the batch is sorted by them
         fold_rows, half_rows = row_spans(folds, starts, starts + lengths), row_spans(halves, starts, starts + lengths)
         index = indices.to(self.device, non_blocking=True)
         tokens_at, neighbours = index[:n], index[n : 3 * n]
         firsts, lasts = index[3 * n : 3 * n + samples], index[3 * n + samples : 3 * n + 2 * samples]
-        tried, of_sample, kept_rows = index[3 * n + 2 * samples :].split([m, m, samples])
+        tried, of_sample, kept_rows, final_rows = index[3 * n + 2 * samples :].split([m, m, samples, p])
         # [n, L, H] as stored (bf16 on a GPU): never copied to fp32 as a whole; every operation that reads it with an
         # fp32 operand computes in fp32
         stored = (rows.view(torch.bfloat16) if dtype == "BF16" else rows).to(self.device, non_blocking=True)
@@ -448,11 +472,13 @@ class Coherence:
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
             exchange = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
             exchange = torch.zeros(samples, L - 1, device=self.device).index_add_(0, of_sample, exchange) / kept_rows[:, None]
+        finals = stored[final_rows, L - 1]  # before the host copy, which then waits for it too: another stream reads it
         # one host copy for the batch (tests and exchange together)
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
-        return {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
-                for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+        scores = {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
+                  for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
+        return scores, finals
 
     def _exchange_gain(self, held: torch.Tensor, residual: torch.Tensor, energy: torch.Tensor, share: torch.Tensor,
                        folds: list, kept: np.ndarray) -> torch.Tensor:

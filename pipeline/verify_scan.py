@@ -6,8 +6,10 @@ shard order; the verify stage merges them (duplicates across shards, missing sam
 shards).
 
 What is read of a shard: its manifest, its safetensors header (names, dtypes, shapes, offsets),
-every sample's token ids and loss mask, and the final layer's rows at the masked positions (for
-the final-state check). The per-layer statistics come from the manifest, where the extractor
+every sample's token ids and loss mask, every captured layer's rows at the positions the per-sample
+tests judge (pipeline/verify_samples.py), whose final-layer rows the final-state check takes at a
+seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
+tests, the final layer's rows at every masked position are read instead). The per-layer statistics come from the manifest, where the extractor
 recorded them from the tensors it wrote. An audited shard (a seeded sample, `verify.audit_*`, and
 any shard without records) is read in full instead: its sha256 is re-computed and its statistics
 re-derived from the bytes and compared with the record. Per-layer detail (which layer is NaN, all
@@ -37,7 +39,7 @@ from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.target import sha256_file
-from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, sample_positions
+from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, judged_positions
 
 _ShardView = ShardView  # the name tests and benches know
 
@@ -186,18 +188,21 @@ class FinalHead:
 
     @torch.inference_mode()
     def argmax(self, final_states: torch.Tensor, timed: Callable[[str, float], float] | None = None) -> torch.Tensor:
-        """argmax over the vocabulary for final (pre-norm) states [P, H], on the CPU. `timed`
-        (e.g. `ShardScan.timed`) is told where the time went: head_pin, head_slot_wait, head_compute."""
+        """argmax over the vocabulary for final (pre-norm) states [P, H] (on the host, or already on the head's device:
+        the rows the per-sample scoring uploaded), on the CPU. `timed` (e.g. `ShardScan.timed`) is told where the time
+        went: head_pin, head_slot_wait, head_compute."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         out = []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
             t = time.perf_counter()
             chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
-            if self.wants_pinned and not chunk.is_pinned():
+            if self.wants_pinned and chunk.device.type == "cpu" and not chunk.is_pinned():
                 chunk = chunk.pin_memory()  # a host copy, outside the slot: threads do it in parallel
                 t = lap("head_pin", t)
             stream = self._slots.get()
             t = lap("head_slot_wait", t)
+            if stream is not None and chunk.is_cuda:  # states made on the caller's stream: this one waits for them
+                stream.wait_stream(torch.cuda.current_stream(chunk.device))
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
@@ -312,8 +317,12 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, check 4's candidate positions, ids) per sample
+    sample_of: dict[str, int] = {}  # tensor name -> sample id
     in_shard: set[int] = set()
     to_score: list = []  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
+    # check 4's final states taken from the scoring's rows (a seeded sample of the judged masked positions), or read
+    # from the shard (every masked position, or no per-sample tests)
+    from_scoring = ctx.coherence is not None and ctx.final_state_positions is not None
     loop_started = time.perf_counter()
     for sid in sample_ids:
         if sid in in_shard:
@@ -362,25 +371,32 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
             to_score.append((sid, hs, shard.header[name]["dtype"], ids))
         positions = mask[:-1].bool().nonzero().squeeze(-1)
         scan.masked_positions += positions.numel()
-        if ctx.coherence is not None and ctx.final_state_positions is not None:
-            # a sample of them is enough: drawn from the positions the per-sample tests read, whose rows the scoring's
-            # gather has mapped by then (scattered rows elsewhere page-fault: an H200's scan read them at a quarter of
-            # the gather's rate)
-            judged = torch.from_numpy(sample_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid))
+        if from_scoring:
+            # a sample of them is enough: drawn from the positions the per-sample tests judge, whose rows the scoring
+            # has uploaded (read again from the shard, scattered rows page-faulted: an H200's scan read them at a
+            # quarter of the gather's rate)
+            judged = torch.from_numpy(judged_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid))
             positions = positions[torch.isin(positions, judged)]
         if positions.numel():
             masked.append((name, positions, ids))
+            sample_of[name] = sid
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
+    chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
+    predicted = []
     with ctx.staging.buffer() as staging:
         if to_score:
             t = time.perf_counter()
-            scan.sample_scores.extend(ctx.coherence.score_samples(to_score, scan.timed, staging))
-            scan.timed("sample_coherence", t)
-        chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
-        predicted = []
+            wanted = {sample_of[name]: positions.numpy() for name, positions, _ in chosen} if from_scoring else {}
+            scores, final_states = ctx.coherence.score_keeping_final_states(to_score, wanted, scan.timed, staging)
+            scan.sample_scores.extend(scores)
+            t = scan.timed("sample_coherence", t)
+            if final_states:
+                predicted.append(ctx.final_head.argmax(torch.cat([final_states[sample_of[name]] for name, _, _ in chosen]),
+                                                       scan.timed))
+                scan.timed("final_lm_head", t)
         # through lm_head in pieces the staging buffer holds (one, unless every masked position is asked for)
-        for piece in split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
+        for piece in [] if from_scoring else split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
             t = time.perf_counter()
             states = read_final_rows(shard, piece, num_layers - 1, ctx.hidden_size, staging)
             t = scan.timed("read_final_rows", t)

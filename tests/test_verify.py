@@ -390,6 +390,48 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
         read_final_rows(view, [(names[0], torch.arange(65), None)], layer=layer, hidden=hidden, staging=buffer)
 
 
+def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
+    """The final-state check takes its rows from the per-sample scoring's batches (sorted by fold and half, not by
+    sample): what comes back is each asked sample's final layer at the asked positions, the scores are the same as
+    without, and a position the scoring does not judge is refused, not silently read elsewhere."""
+    import numpy as np
+
+    from pipeline.verify_fit import load_embedding
+    from pipeline.verify_samples import Coherence, judged_positions
+
+    target = load_target(project / layout.TARGET_JSON)
+    layer_ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
+    tensors = load_file(shards(project)[0])
+    sids = sorted({int(k.split("/")[0]) for k in tensors})
+    stored = {s: tensors[f"{s}/hidden_states"] for s in sids}
+    dtype = {torch.float32: "F32", torch.bfloat16: "BF16"}[stored[sids[0]].dtype]
+
+    def as_stored(h: torch.Tensor) -> np.ndarray:
+        return (h.view(torch.int16) if h.dtype == torch.bfloat16 else h).numpy()
+
+    samples = [(s, as_stored(stored[s]), dtype, tensors[f"{s}/input_ids"]) for s in sids]
+    coherence = Coherence(layer_ids, load_embedding(target.path, target.trust_remote_code), 4, 0)
+    coherence.fit((coherence.fold(s), s, coherence.inputs(h[1:], dtype, ids[1:])[1]) for s, h, _, ids in samples)
+    rng = np.random.default_rng(0)
+    wanted = {}
+    for s, h, _, _ in samples[::2]:
+        judged = judged_positions(h.shape[0], 4, 0, s)
+        if len(judged):
+            wanted[s] = np.sort(rng.choice(judged, size=min(5, len(judged)), replace=False))
+    assert len(wanted) >= 3 and len({coherence.fold(s) for s in wanted}) == 2
+
+    scores, finals = coherence.score_keeping_final_states(samples, wanted)
+
+    assert list(finals) == list(wanted)
+    for s, positions in wanted.items():
+        assert finals[s].dtype == stored[s].dtype and torch.equal(finals[s], stored[s][positions, -1])
+    plain = coherence.score_samples(samples)
+    assert [x.sample for x in scores] == sids and all(torch.equal(a.shares, b.shares) for a, b in zip(scores, plain, strict=True))
+    s = next(iter(wanted))
+    with pytest.raises(ValueError, match="do not judge"):
+        coherence.score_keeping_final_states(samples, {s: wanted[s][:1] + 1})
+
+
 def test_final_positions_split_into_pieces_a_staging_buffer_holds():
     from pipeline.verify_scan import split_positions
 
