@@ -57,12 +57,35 @@ COLD_PROCESS = (
 )
 
 
+def gpu_memory_used_gib() -> float | None:
+    """GPU memory in use on the machine (every process's), from nvidia-smi: a cold process is compared with another only
+    where it had the GPU as free (session 16's later cold runs had ~29 GB free, streamed their reference, and were
+    slower for it)."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=30)
+        return round(sum(float(x) for x in out.stdout.split()) / 1024, 2) if out.returncode == 0 else None
+    except (OSError, ValueError, subprocess.TimeoutExpired):
+        return None
+
+
+def release_gpu_memory() -> None:
+    """What this process's allocator caches goes back to the GPU before a cold process starts."""
+    import gc
+
+    gc.collect()
+    if "torch" in sys.modules and sys.modules["torch"].cuda.is_initialized():
+        sys.modules["torch"].cuda.empty_cache()
+
+
 def run_cold_process(proj: Path, code: str, code_dir: str | None = None, extra_env: dict | None = None) -> dict:
     """verify in a fresh interpreter (`code`), its wall, its imports' time, and its metrics' timings. `code_dir`: a
     directory whose `pipeline` package the process imports instead of this checkout's (an older commit's, for a
     before/after in one call); `extra_env`: variables set for it (VERIFY_COLD_VARIANTS)."""
     from pipeline import layout
 
+    release_gpu_memory()
+    used_before = gpu_memory_used_gib()
     env = {**os.environ, **(extra_env or {})}
     if code_dir:
         env["PYTHONPATH"] = f"{Path(code_dir).resolve()}:{env.get('PYTHONPATH', '')}".rstrip(":")
@@ -76,10 +99,12 @@ def run_cold_process(proj: Path, code: str, code_dir: str | None = None, extra_e
         "code": line.split()[3] if line else code_dir,  # the verify module the process ran
         "env": extra_env or {},
         "process_wall_s": round(wall, 2),
+        "gpu_used_before_gib": used_before,
         "imports_s": round(float(line.split()[1]), 2) if line else None,
         "imports_and_run_s": round(float(line.split()[2]), 2) if line else None,
         "stderr_tail": cold.stderr[-1500:] if cold.returncode else None,
-        "metrics": {k: v for k, v in metrics.items() if k.endswith("seconds") or k in ("reference_load", "verify_workers")}
+        "metrics": {k: v for k, v in metrics.items() if k.endswith("seconds") or k in
+                    ("reference", "reference_load", "verify_workers", "staging_bytes", "final_state_head", "final_state_positions")}
         if metrics else None,
     }
 
@@ -287,6 +312,12 @@ def job_verify_all(state: dict, name: str) -> dict:
     else:
         summary["cold_process"] = run_cold_process(proj, COLD_PROCESS)
     log(f"verifyall {name} cold_process: {json.dumps(summary['cold_process'])}")
+    # more cold processes, before this process holds any GPU memory: another commit's pipeline/ (for a before/after in
+    # one call) or other settings of the environment, as JSON {"name": {"code": directory or null, "env": {variable:
+    # value}}}
+    for variant, how in ({} if only_preloaded else json.loads(os.environ.get("VERIFY_COLD_VARIANTS", "{}"))).items():
+        summary[f"cold_process_{variant}"] = run_cold_process(proj, COLD_PROCESS, how.get("code"), how.get("env"))
+        log(f"verifyall {name} cold_process_{variant}: {json.dumps(summary[f'cold_process_{variant}'])}")
     if os.environ.get("VERIFY_PYSPY") in ("1", "gil"):
         summary["profiled_cold_process"] = profiled_cold_process(proj, Path(state["out"]))
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
@@ -343,11 +374,6 @@ def job_verify_all(state: dict, name: str) -> dict:
             "checks": metrics.get("checks"),
         }
         log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
-    # more cold processes, after the modes: another commit's pipeline/ (for a before/after in one call) or other
-    # settings of the environment, as JSON {"name": {"code": directory or null, "env": {variable: value}}}
-    for variant, how in json.loads(os.environ.get("VERIFY_COLD_VARIANTS", "{}")).items():
-        summary[f"cold_process_{variant}"] = run_cold_process(proj, COLD_PROCESS, how.get("code"), how.get("env"))
-        log(f"verifyall {name} cold_process_{variant}: {json.dumps(summary[f'cold_process_{variant}'])}")
     if os.environ.get("VERIFY_SKIP_PRELOADED") == "1":
         log(f"verifyall {name}: {json.dumps(summary)}")
         return {"summary": summary}
