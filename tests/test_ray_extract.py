@@ -132,9 +132,15 @@ def kill_a_replica_mid_shard(
     that is not complete (`shard_samples`: shard file name -> its sample ids). With one request at
     a time the rest of that shard is still to compute, so the kill lands with the shard in flight
     however fast or loaded the machine is. With `after_a_new_shard`, only once a shard of this run
-    is complete (a manifest the output did not hold before). Yields the list the killed pid is put in."""
+    is complete (a manifest the output did not hold before). Only replicas started after entering: yields the list the
+    killed pid is put in."""
     ray_tmp = os.environ["RAY_TMPDIR"]  # the ray_cluster fixture's; TMPDIR, where replicas keep scratch, too
     before = {p.name for p in shards.complete_shards(hs)} if hs.is_dir() else set()
+    # replicas an earlier run ended may still be listed (ray.kill returns before the process is gone, and a killed
+    # process stays in /proc until it is reaped: slower on a loaded machine), with files of the samples they had in
+    # flight: "killing" one is no loss to this run (the likeliest cause of a CI run beside `make repro` that killed a
+    # process and lost no replica; not reproduced)
+    earlier = set(replica_requests(ray_tmp))
     killed: list[int] = []
     stop = threading.Event()
 
@@ -146,7 +152,7 @@ def kill_a_replica_mid_shard(
                 starting = {sid for name, sids in shard_samples.items() if name not in complete
                             for sid in sids[: max(1, len(sids) // 2)]}
                 for pid, sids in replica_requests(ray_tmp).items():
-                    if sids & starting:
+                    if pid not in earlier and sids & starting:
                         os.kill(pid, signal.SIGKILL)
                         killed.append(pid)
                         return
