@@ -39,9 +39,8 @@ import numpy as np
 import torch
 
 from pipeline.host_staging import StagingBuffer, new_buffer
-from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
+from pipeline.verify_least_squares import FoldFit, fit_folds
 
-RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
 BATCH_ROWS = 4096  # judged rows scored in one batch at most (at the 8B shape ~0.35 GB of predictions on the device)
@@ -145,11 +144,11 @@ class Coherence:
         return random.Random(f"half/{self.seed}/{sid}").randrange(2)
 
     def fit(self, chunks) -> None:
-        """Least squares on (fold, sample, inputs) chunks, one per fold; standardised per block,
-        ridge `RIDGE`; then once more without the samples the first fit finds far off the others
-        (a faulty sample in the fit would make every sample of the other fold score worse)."""
+        """Least squares on (fold, sample, inputs) chunks, one per fold (pipeline/verify_least_squares.py); then once
+        more without the samples the first fit finds far off the others (a faulty sample in the fit would make every
+        sample of the other fold score worse)."""
         chunks = list(chunks)
-        self.weights = self._fit_folds(chunks)
+        self._take(fit_folds(chunks, self.half, len(self.layer_ids), self.embedding.shape[1]))
         if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
             self._ready_for_threads()
             return
@@ -164,8 +163,13 @@ class Coherence:
         keep = ((means - median) / sigma).max(1).values <= REFIT_Z
         self.refit_excluded = [int(c[1]) for c, k in zip(chunks, keep.tolist(), strict=True) if not k]
         if self.refit_excluded:
-            self.weights = self._fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k]) or self.weights
+            self._take(fit_folds([c for c, k in zip(chunks, keep.tolist(), strict=True) if k], self.half, L, H))
         self._ready_for_threads()
+
+    def _take(self, fitted: FoldFit | None) -> None:
+        """A fit's predictors, whiteners and leak pattern (a fit without rows leaves the ones before)."""
+        if fitted is not None:
+            self.weights, self.whiteners, self.leak, self.fit_tokens = fitted.weights, fitted.whiteners, fitted.leak, fitted.rows
 
     def _ready_for_threads(self) -> None:
         """Everything the scoring threads share is made here, on the fitting thread, before they start: the weights
@@ -186,65 +190,6 @@ class Coherence:
                 self._slots.put(torch.cuda.Stream(self.device))
         else:
             self._slots.put(None)
-
-    def _fit_folds(self, chunks) -> list[torch.Tensor] | None:
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        # per fold the Gram matrix of its inputs, [(L + 1) H + 1]^2 in fp64 (3.4 GB at the 8B shape, 10 GB at hidden
-        # 7168): one at a time, solved in place; the first fold's diagonal is kept for the leak pattern
-        fitted: list = [None, None]
-        counts, diagonal = [0, 0], None
-        sizes: dict[tuple[int, int], int] = {}  # rows per (fold, half)
-        for fold in range(2):
-            gram = None
-            for f, sid, x in chunks:
-                if f == fold:
-                    x = x.double()
-                    gram = x.T @ x if gram is None else gram.addmm_(x.T, x)
-                    counts[fold] += x.shape[0]
-                    sizes[(fold, self.half(sid))] = sizes.get((fold, self.half(sid)), 0) + x.shape[0]
-            if gram is not None:
-                diagonal = gram.diagonal().clone() if diagonal is None else diagonal
-                fitted[fold] = self._solve(gram, counts[fold])  # scales `gram` in place
-                del gram
-        if fitted[0] is None and fitted[1] is None:
-            return None
-        self.fit_tokens = sum(counts)
-        # scored by the other fold's predictors; a fold with no data falls back to its own
-        weights = [fitted[1] if fitted[1] is not None else fitted[0], fitted[0] if fitted[0] is not None else fitted[1]]
-        # the residual covariance under the map that scores a fold, from the rows of the fold's other half: out of
-        # fold for the map and out of sample for the covariance (a half with no data: any other that has)
-        rows_of = {(f, k): next(c for c in ((f, 1 - k), (f, k), (1 - f, 1 - k), (1 - f, k)) if c in sizes)
-                   for f in range(2) for k in range(2)}
-        covariances = residual_covariances(chunks, weights, {(f, rows) for (f, _), rows in rows_of.items()}, self.half, L, H)
-        self.whiteners = {(f, k): residual_whitener(covariances[(f, rows_of[(f, k)])], sizes[rows_of[(f, k)]])
-                          for f, k in rows_of}
-        self.leak = noise_leak(weights[0], *self.whiteners[(0, 0)], diagonal, L, H)
-        return weights
-
-    def _solve(self, gram: torch.Tensor, n: int) -> torch.Tensor:
-        L, H = len(self.layer_ids), self.embedding.shape[1]
-        blocks = L + 1
-        # block RMS from the diagonal (the last column is the constant 1)
-        rms = (gram.diagonal()[:-1].reshape(blocks, H).sum(1) / (n * H)).sqrt().clamp_min(1e-30)
-        scale = torch.cat([rms.repeat_interleave(H), torch.ones(1, device=gram.device, dtype=gram.dtype)])
-        g = gram.div_(scale[:, None]).div_(scale[None, :]).div_(n)  # in place: the caller's sum, no second copy
-        weights = torch.zeros(blocks * H + 1, blocks * H, dtype=torch.float64, device=gram.device)
-        every = torch.arange(blocks * H + 1, device=gram.device)
-        for j in range(L + 1):  # j = L: the first captured layer from the embedding alone
-            if j < L:
-                inputs = every[(every < j * H) | (every >= (j + 1) * H)]
-                target = slice(j * H, (j + 1) * H)
-            else:
-                inputs = every[every >= L * H]
-                target = slice(0, H)
-            rows = g.index_select(0, inputs)
-            a, b = rows.index_select(1, inputs), rows[:, target].clone()
-            del rows  # ~(L / (L + 1)) of the Gram matrix: gone before the solve's own copy of `a`
-            a.diagonal()[:-1] += RIDGE
-            w = torch.linalg.solve(a, b)
-            # back from the standardised space: w_raw = diag(1/scale_in) w scale_out
-            weights[inputs, j * H : (j + 1) * H] = w / scale[inputs][:, None] * scale[target][None, :]
-        return weights.float()
 
     def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fold's predictors in the dtype the scoring matmul runs in (bf16 on a GPU: tensor cores; rounding
