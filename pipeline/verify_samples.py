@@ -269,9 +269,10 @@ class Coherence:
         groups: dict[str, list] = {}
         for sid, hidden, dtype, ids in samples:
             positions = judged_positions(hidden.shape[0], self.stride, self.seed, sid)
-            wanted = np.searchsorted(positions, final_positions.get(sid, positions[:0]))
-            if wanted.size and not np.array_equal(positions[np.minimum(wanted, len(positions) - 1)], final_positions[sid]):
+            final = final_positions.get(sid, positions[:0])
+            if not np.isin(final, positions).all():
                 raise ValueError(f"sample {sid}: final-state positions that the per-sample tests do not judge")
+            wanted = np.searchsorted(positions, final)  # their rows among the sample's judged rows
             if not len(positions):
                 scored[sid] = SampleScores(sid, positions, torch.zeros(0, tests_per_position(L)))
             else:
@@ -286,7 +287,7 @@ class Coherence:
             for batch in batches(group, BATCH_ROWS):
                 rows = sum(len(item[3]) for item in batch)
                 buffer = staging or new_buffer(rows * batch[0][1][0].nbytes, INDICES_PER_ROW * rows,
-                                                     pinned=self.device.type == "cuda")
+                                               pinned=self.device.type == "cuda")
                 # the host's part first, outside a slot: the scan threads copy rows at once, SCORING_SLOTS hold the GPU
                 t = time.perf_counter()
                 staged = self._gather(batch, rows, buffer), self._indices(batch, buffer)
@@ -365,10 +366,10 @@ class Coherence:
         # odd leading dimensions put every product with it on an unaligned GEMM (the H200's profile: a Turing-era
         # `align1` kernel, 0.87 s of the 8B scan at ~70 TFLOP/s).
         # Every pass over [n, L, H] costs a GPU as much as a product here (the H200's profile: elementwise kernels
-        # were 40% of the scan's GPU time), so each is counted (bench/verify_scoring_traffic.py): the layers' product
+        # were 40% of the scan's GPU time), so each is counted (bench/verify_sample_scoring.py --traffic): the layers' product
         # stays as the GEMM writes it, the residual and its contrast come from one "state minus token part" each, and
         # the exchange test corrects the residual in place of forming the exchanged states and their predictions.
-        compute = self._compute_weights(folds[0])[0].dtype
+        compute = self.compute_dtype
 
         def as_input(t: torch.Tensor) -> torch.Tensor:
             return t if t.dtype == compute else t.to(compute)
@@ -415,8 +416,8 @@ class Coherence:
         tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
         exchange = torch.zeros(samples, max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
-            exchange = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
-            exchange = torch.zeros(samples, L - 1, device=self.device).index_add_(0, of_sample, exchange) / kept_rows[:, None]
+            gain = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
+            exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         finals = stored[final_rows, L - 1]  # before the host copy, which then waits for it too: another stream reads it
         # one host copy for the batch (tests and exchange together)
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
@@ -434,8 +435,7 @@ class Coherence:
         exchanged energies are the energies permuted."""
         L, H = held.shape[1], held.shape[2]
         k = held.shape[0]
-        step = torch.diff(held.float(), dim=1)  # [k, L - 1, H]: h_{i+1} - h_i
-        by_pair = step.transpose(0, 1)  # [L - 1, k, H]
+        by_pair = torch.diff(held.float(), dim=1).transpose(0, 1)  # [L - 1, k, H]: h_{i+1} - h_i
         tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
         swapped = torch.empty(L - 1, k, L * H, device=self.device)
         for fold, (a, b) in row_spans(folds, tried_at[:-1], tried_at[1:]).items():

@@ -9,8 +9,8 @@ What is read of a shard: its manifest, its safetensors header (names, dtypes, sh
 every sample's token ids and loss mask, every captured layer's rows at the positions the per-sample
 tests judge (pipeline/verify_samples.py), whose final-layer rows the final-state check takes at a
 seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
-tests, the final layer's rows at every masked position are read instead). The per-layer statistics come from the manifest, where the extractor
-recorded them from the tensors it wrote. An audited shard (a seeded sample, `verify.audit_*`, and
+tests, the final layer's rows at every masked position are read instead). The per-layer
+statistics come from the manifest, where the extractor recorded them from the tensors it wrote. An audited shard (a seeded sample, `verify.audit_*`, and
 any shard without records) is read in full instead: its sha256 is re-computed and its statistics
 re-derived from the bytes and compared with the record. Per-layer detail (which layer is NaN, all
 zeros) is worked out only for a sample already known bad.
@@ -395,13 +395,13 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
                 predicted.append(ctx.final_head.argmax(torch.cat([final_states[sample_of[name]] for name, _, _ in chosen]),
                                                        scan.timed))
                 scan.timed("final_lm_head", t)
-        # through lm_head in pieces the staging buffer holds (one, unless every masked position is asked for)
-        for piece in [] if from_scoring else split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
-            t = time.perf_counter()
-            states = read_final_rows(shard, piece, num_layers - 1, ctx.hidden_size, staging)
-            t = scan.timed("read_final_rows", t)
-            predicted.append(ctx.final_head.argmax(states, scan.timed))
-            scan.timed("final_lm_head", t)
+        if not from_scoring:  # through lm_head in pieces the staging buffer holds
+            for piece in split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
+                t = time.perf_counter()
+                states = read_final_rows(shard, piece, num_layers - 1, ctx.hidden_size, staging)
+                t = scan.timed("read_final_rows", t)
+                predicted.append(ctx.final_head.argmax(states, scan.timed))
+                scan.timed("final_lm_head", t)
     if chosen:
         targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
         scan.hits, scan.counted = int((torch.cat(predicted) == targets.long()).sum()), int(targets.numel())
