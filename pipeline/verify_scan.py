@@ -24,7 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from pipeline.progress import progress
 from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
-from pipeline.target import sha256_file
+from pipeline.verify_audit import read_in_full
 from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, judged_positions
 
 _ShardView = ShardView  # the name tests and benches know
@@ -241,23 +241,31 @@ def staging_for(ctx: ScanContext, threads: int) -> HostStaging:
 
 
 def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[ShardScan]:
-    """Scan every shard (in parallel when workers > 1); results come back in `files` order. The audited shards,
-    read in full, go first: started last, one of them would be the scan's tail."""
+    """Scan every shard (in parallel when workers > 1); results come back in `files` order. The shards read in full
+    (audited, or every one with `hash_all`) are read by threads of their own from the start and scanned last, when
+    their reading is done: read by a scan thread, it held that thread while the others alone fed the GPU."""
     threads = scan_threads(workers, len(files))
     if ctx.staging is None or ctx.staging.count < threads:
         ctx.staging = staging_for(ctx, threads)
     if threads == 1:
         return [scan_shard(p, ctx) for p in progress(files, desc="verify shards", unit="shard")]
-    order = sorted(range(len(files)), key=lambda i: files[i].stem not in ctx.audit)
+    read_fully = [i for i, p in enumerate(files) if ctx.hash_all or p.stem in ctx.audit]
+    order = sorted(range(len(files)), key=lambda i: ctx.hash_all or files[i].stem in ctx.audit)
     scans: list[ShardScan | None] = [None] * len(files)
-    with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
-        done = pool.map(lambda i: (i, scan_shard(files[i], ctx)), order)
-        for i, scan in progress(done, total=len(files), desc="verify shards", unit="shard"):
-            scans[i] = scan
+    readers = ThreadPoolExecutor(max_workers=max(1, min(threads, len(read_fully))), thread_name_prefix="verify-audit")
+    try:
+        full_reads = {i: readers.submit(read_in_full, files[i], files[i].stem in ctx.audit) for i in read_fully}
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
+            done = pool.map(lambda i: (i, scan_shard(files[i], ctx, full_reads.get(i))), order)
+            for i, scan in progress(done, total=len(files), desc="verify shards", unit="shard"):
+                scans[i] = scan
+    finally:
+        readers.shutdown(cancel_futures=True)
     return scans
 
 
-def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
+def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) -> ShardScan:
+    """One shard's checks; `full_read`: its `read_in_full`, started earlier (else read here if it is to be)."""
     scan = ShardScan(name=path.stem, path=path)
     if not manifest_path(path).is_file():
         scan.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume")
@@ -276,11 +284,18 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
         return scan
     records = (manifest.get("layer_stats") or {}).get("samples")
     scan.audited = path.stem in ctx.audit or records is None
+    full = None
     if scan.audited or ctx.hash_all:
         t = time.perf_counter()
-        digest = sha256_file(path)
-        scan.timed("sha256", t)
-        if digest != manifest["sha256"]:
+        without_records = scan.audited and path.stem not in ctx.audit  # its statistics are to be derived here
+        if full_read is not None and not without_records:
+            full = full_read.result()
+            scan.timed("full_read_wait", t)
+        else:  # one scan thread, or statistics nobody read ahead
+            full = read_in_full(path, scan.audited)
+        for key, seconds in full.seconds.items():
+            scan.seconds[key] = scan.seconds.get(key, 0.0) + seconds
+        if full.digest != manifest["sha256"]:
             scan.fail("structure", "file content does not match its manifest sha256: corrupt, or changed after extraction")
             return scan
         scan.hashed = True
@@ -309,11 +324,14 @@ def scan_shard(path: Path, ctx: ScanContext) -> ShardScan:
     scan.read_ok = True
     data = np.memmap(path, dtype=np.uint8, mode="r")  # pages are read only where a view is used
     shard = ShardView(data, header, data_start)
-    scan_samples(scan, shard, sample_ids, records or {}, ctx)
+    scan_samples(scan, shard, sample_ids, records or {}, ctx, full.stats if full is not None else {})
     return scan
 
 
-def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext) -> None:
+def scan_samples(
+    scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext, derived: dict[int, np.ndarray]
+) -> None:
+    """`derived`: the audited shard's statistics from the bytes (`read_in_full`), judged against the records."""
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, check 4's candidate positions, ids) per sample
@@ -342,9 +360,7 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
         hs = shard.numpy(name)
         recorded = records.get(str(sid))
         if scan.audited:
-            t = time.perf_counter()
-            stats = shard_stats.sample_stats(hs)  # reads the sample's every byte
-            scan.timed("audit_stats", t)
+            stats = derived[sid] if sid in derived else shard_stats.sample_stats(hs)  # every byte of the sample
             if recorded is not None and (bad := shard_stats.records_agree(recorded, stats, T * H)):
                 scan.fail(
                     "structure",
@@ -381,7 +397,7 @@ def scan_samples(scan: ShardScan, shard: ShardView, sample_ids: list[int], recor
             masked.append((name, positions, ids))
             sample_of[name] = sid
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
-    scan.seconds["sample_checks"] = time.perf_counter() - loop_started - scan.seconds.get("audit_stats", 0.0)
+    scan.seconds["sample_checks"] = time.perf_counter() - loop_started
     chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
     predicted = []
     with ctx.staging.buffer() as staging:

@@ -150,13 +150,15 @@ def test_shard_without_records_is_read_in_full(project: Path):
     assert metrics["passed"] and shard.stem in metrics["audited_shards"]
 
 
+# one scan thread reads an audited shard in full itself; more read it in threads of their own, ahead of the scan
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("where", ["audited", "not audited by default, audit_fraction 1"])
-def test_recorded_statistics_differ_from_bytes(project: Path, where: str):
+def test_recorded_statistics_differ_from_bytes(project: Path, where: str, workers: int):
     """A record that does not describe its shard's bytes is caught where the shard is audited."""
     if where == "audited":
-        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {}
+        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {"workers": workers}
     else:  # a wrong record on a shard the audit skips is caught when every shard is audited
-        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), AUDIT_ALL
+        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), {**AUDIT_ALL, "workers": workers}
     m = json.loads(manifest_path(shard).read_text())
     sid = m["sample_ids"][0]
     m["layer_stats"]["samples"][str(sid)][1][3] *= 2  # layer index 1's max
@@ -245,12 +247,13 @@ def test_truncated_shard(project: Path, judged: dict):
     verify_fails(project, "structure", "truncated", "shard-00001", params=judged)
 
 
+@pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("where", ["audited", "not audited, hash_all_shards"])
-def test_manifest_hash_mismatch(project: Path, where: str):
+def test_manifest_hash_mismatch(project: Path, where: str, workers: int):
     if where == "audited":
-        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {}
+        shard, params = next(p for p in shards(project) if p.stem in audited(project)), {"workers": workers}
     else:
-        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), {"hash_all_shards": True}
+        shard, params = next(p for p in shards(project) if p.stem not in audited(project)), {"hash_all_shards": True, "workers": workers}
     m = json.loads(manifest_path(shard).read_text())
     m["sha256"] = "0" * 64
     manifest_path(shard).write_text(json.dumps(m))
