@@ -41,13 +41,13 @@ def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, sta
     """The final layer's rows at the chosen positions of each sample, [P, H], read straight from the
     memory map into `staging` (the scan's, page-locked when lm_head runs on a GPU: its copy up is then
     direct) or, without one, a new tensor."""
-    total = sum(positions.numel() for _, positions, _ in chosen)
+    total = sum(len(positions) for _, positions, _ in chosen)
     dtype = shard.dtype(chosen[0][0])
     out = staging.view((total, hidden), dtype) if staging is not None else torch.empty((total, hidden), dtype=dtype)
     out_np = (out.view(torch.int16) if dtype == torch.bfloat16 else out).numpy()
     start = 0
     for name, positions, _ in chosen:
-        rows, idx = shard.numpy(name)[:, layer], positions.numpy()
+        rows, idx = shard.numpy(name)[:, layer], np.asarray(positions)
         # masked positions come in spans (assistant turns): a span is one strided slice copy, much
         # faster than a gather; sampled positions (mostly isolated) are gathered
         breaks = np.flatnonzero(np.diff(idx) != 1) + 1

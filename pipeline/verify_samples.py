@@ -245,7 +245,7 @@ class Coherence:
         return self.score_samples([(sid, hidden, dtype, ids)])[0]
 
     @torch.inference_mode()
-    def score_samples(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
+    def score_samples(self, samples: list[tuple[int, np.ndarray, str, np.ndarray | torch.Tensor]],
                       timed: Callable[[str, float], float] | None = None,
                       staging: StagingBuffer | None = None) -> list[SampleScores]:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
@@ -256,7 +256,7 @@ class Coherence:
         return self.score_keeping_final_states(samples, {}, timed, staging)[0]
 
     @torch.inference_mode()
-    def score_keeping_final_states(self, samples: list[tuple[int, np.ndarray, str, torch.Tensor]],
+    def score_keeping_final_states(self, samples: list[tuple[int, np.ndarray, str, np.ndarray | torch.Tensor]],
                                    final_positions: dict[int, np.ndarray],
                                    timed: Callable[[str, float], float] | None = None,
                                    staging: StagingBuffer | None = None) -> tuple[list[SampleScores], dict[int, torch.Tensor]]:
@@ -270,9 +270,9 @@ class Coherence:
         for sid, hidden, dtype, ids in samples:
             positions = judged_positions(hidden.shape[0], self.stride, self.seed, sid)
             final = final_positions.get(sid, positions[:0])
-            if not np.isin(final, positions).all():
-                raise ValueError(f"sample {sid}: final-state positions that the per-sample tests do not judge")
             wanted = np.searchsorted(positions, final)  # their rows among the sample's judged rows
+            if not (wanted < len(positions)).all() or not np.array_equal(positions[wanted], final):
+                raise ValueError(f"sample {sid}: final-state positions that the per-sample tests do not judge")
             if not len(positions):
                 scored[sid] = SampleScores(sid, positions, torch.zeros(0, tests_per_position(L)))
             else:
@@ -326,9 +326,9 @@ class Coherence:
         lengths = np.array([len(item[3]) for item in batch])
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
         kept = np.minimum(lengths, EXCHANGE_POSITIONS)
-        parts = [np.concatenate([ids.numpy()[positions + shift].astype(np.int64) for _, _, ids, positions, *_ in batch])
+        parts = [np.concatenate([np.asarray(ids)[positions + shift].astype(np.int64) for _, _, ids, positions, *_ in batch])
                  for shift in (0, -1)]
-        parts.append(np.concatenate([ids.numpy()[np.minimum(positions + 1, len(ids) - 1)] for _, _, ids, positions, *_ in batch]))
+        parts.append(np.concatenate([np.asarray(ids)[np.minimum(positions + 1, len(ids) - 1)] for _, _, ids, positions, *_ in batch]))
         parts += [starts, starts + lengths - 1, np.concatenate([s + np.arange(k) for s, k in zip(starts, kept, strict=True)]),
                   np.repeat(np.arange(len(batch)), kept), kept, np.concatenate([s + item[6] for s, item in zip(starts, batch, strict=True)])]
         flat = np.concatenate([np.asarray(part, dtype=np.int64) for part in parts])

@@ -322,7 +322,9 @@ def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) ->
         scan.fail("structure", f"tensors of dtype {unknown}: not one this format uses")
         return scan
     scan.read_ok = True
-    data = np.memmap(path, dtype=np.uint8, mode="r")  # pages are read only where a view is used
+    # pages are read only where a view is used; a plain ndarray of the map (its slices are not np.memmap objects, each
+    # made through Python-level hooks)
+    data = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
     shard = ShardView(data, header, data_start)
     scan_samples(scan, shard, sample_ids, records or {}, ctx, full.stats if full is not None else {})
     return scan
@@ -334,7 +336,7 @@ def scan_samples(
     """`derived`: the audited shard's statistics from the bytes (`read_in_full`), judged against the records."""
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
-    masked: list[tuple[str, torch.Tensor, torch.Tensor]] = []  # (tensor name, check 4's candidate positions, ids) per sample
+    masked: list[tuple[str, np.ndarray, np.ndarray]] = []  # (tensor name, check 4's candidate positions, ids) per sample
     sample_of: dict[str, int] = {}  # tensor name -> sample id
     in_shard: set[int] = set()
     to_score: list = []  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
@@ -352,8 +354,10 @@ def scan_samples(
             scan.fail("structure", f"sample id not in the prepared dataset (0..{len(ctx.prepared) - 1})", sample=sid)
             continue
         name = f"{sid}/hidden_states"
-        ids = shard.tensor(f"{sid}/input_ids")
-        mask = shard.tensor(f"{sid}/loss_mask")
+        # numpy views of the memory map, not torch copies: a sample's checks are ~20 small operations, and a torch
+        # call costs several times a numpy one, under the GIL the scan threads share
+        ids = shard.numpy(f"{sid}/input_ids")
+        mask = shard.numpy(f"{sid}/loss_mask")
         if not check_sample_structure(scan, sid, shard.shape(name), shard.dtype(name), ids, mask, ctx):
             continue
         T, _, H = shard.shape(name)
@@ -385,15 +389,17 @@ def scan_samples(
         scan.tokens += T
         if ctx.coherence is not None:
             to_score.append((sid, hs, shard.header[name]["dtype"], ids))
-        positions = mask[:-1].bool().nonzero().squeeze(-1)
-        scan.masked_positions += positions.numel()
+        positions = np.flatnonzero(mask[:-1])
+        scan.masked_positions += len(positions)
         if from_scoring:
             # a sample of them is enough: drawn from the positions the per-sample tests judge, whose rows the scoring
             # has uploaded (read again from the shard, scattered rows page-faulted: an H200's scan read them at a
             # quarter of the gather's rate)
-            judged = torch.from_numpy(judged_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid))
-            positions = positions[torch.isin(positions, judged)]
-        if positions.numel():
+            judged = judged_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid)
+            judged_here = np.zeros(T, dtype=bool)  # a lookup table: np.isin sorts, ~5x the time at a sample's size
+            judged_here[judged] = True
+            positions = positions[judged_here[positions]]
+        if len(positions):
             masked.append((name, positions, ids))
             sample_of[name] = sid
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
@@ -403,7 +409,7 @@ def scan_samples(
     with ctx.staging.buffer() as staging:
         if to_score:
             t = time.perf_counter()
-            wanted = {sample_of[name]: positions.numpy() for name, positions, _ in chosen} if from_scoring else {}
+            wanted = {sample_of[name]: positions for name, positions, _ in chosen} if from_scoring else {}
             scores, final_states = ctx.coherence.score_keeping_final_states(to_score, wanted, scan.timed, staging)
             scan.sample_scores.extend(scores)
             t = scan.timed("sample_coherence", t)
@@ -419,7 +425,7 @@ def scan_samples(
                 predicted.append(ctx.final_head.argmax(states, scan.timed))
                 scan.timed("final_lm_head", t)
     if chosen:
-        targets = torch.cat([ids[positions + 1] for _, positions, ids in chosen])
+        targets = torch.from_numpy(np.concatenate([ids[positions + 1] for _, positions, ids in chosen]))
         scan.hits, scan.counted = int((torch.cat(predicted) == targets.long()).sum()), int(targets.numel())
     count = np.maximum(sums[:, 3], 1)
     mean = sums[:, 0] / count
@@ -439,7 +445,7 @@ def sample_final_positions(masked: list, limit: int | None, seed: int, shard_nam
     """The masked positions whose final state goes through lm_head: all of them, or a seeded
     sample of `limit` across the shard (`verify.final_state_positions_per_shard`) of the candidates (with the per-sample
     tests on, the masked positions they judge)."""
-    total = sum(p.numel() for _, p, _ in masked)
+    total = sum(len(p) for _, p, _ in masked)
     if limit is None or total <= limit:
         return masked
     rng = np.random.default_rng([seed, int.from_bytes(shard_name.encode()[-8:], "little")])
@@ -447,9 +453,9 @@ def sample_final_positions(masked: list, limit: int | None, seed: int, shard_nam
     keep[rng.choice(total, size=limit, replace=False)] = True
     out, start = [], 0
     for name, positions, ids in masked:
-        chosen = positions[torch.from_numpy(keep[start : start + positions.numel()])]
-        start += positions.numel()
-        if chosen.numel():
+        chosen = positions[keep[start : start + len(positions)]]
+        start += len(positions)
+        if len(chosen):
             out.append((name, chosen, ids))
     return out
 
@@ -458,10 +464,10 @@ def split_positions(chosen: list, size: int) -> list[list]:
     """(name, positions, ids) items cut into pieces of at most `size` positions, in order."""
     pieces, piece, room = [], [], size
     for name, positions, ids in chosen:
-        while positions.numel():
+        while len(positions):
             taken, positions = positions[:room], positions[room:]
             piece.append((name, taken, ids))
-            room -= taken.numel()
+            room -= len(taken)
             if room == 0:
                 pieces.append(piece)
                 piece, room = [], size
@@ -480,10 +486,10 @@ def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch
     if dtype != ctx.dtype:
         scan.fail("structure", f"hidden_states dtype {dtype}, the run declares {ctx.dtype}", sample=sid)
         ok = False
-    if tuple(ids.shape) != want_ids.shape or not np.array_equal(ids.numpy(), want_ids):
+    if ids.shape != want_ids.shape or not np.array_equal(ids, want_ids):
         scan.fail("structure", "input_ids differ from the prepared dataset's", sample=sid)
         ok = False
-    if tuple(mask.shape) != want_mask.shape or not np.array_equal(mask.numpy(), want_mask):
+    if mask.shape != want_mask.shape or not np.array_equal(mask, want_mask):
         scan.fail("structure", "loss_mask differs from the prepared dataset's", sample=sid)
         ok = False
     return ok
