@@ -206,6 +206,22 @@ def kernel_profile(prof) -> dict:
         if b > end:
             union += b - max(a, end)
             end = b
+    # the GPU's busy share in each tenth of [first op, last op]: a slow start, a tail or gaps all through
+    tenths = [0.0] * 10
+    if spans:
+        begin, width = spans[0][0], max((spans[-1][1] - spans[0][0]) / 10, 1e-9)
+        merged, (a0, b0) = [], spans[0]
+        for a, b in spans[1:]:
+            if a > b0:
+                merged.append((a0, b0))
+                a0, b0 = a, b
+            else:
+                b0 = max(b0, b)
+        merged.append((a0, b0))
+        for a, b in merged:
+            for k in range(int((a - begin) // width), min(int((b - begin) // width), 9) + 1):
+                lo, hi = begin + k * width, begin + (k + 1) * width
+                tenths[k] += max(0.0, min(b, hi) - max(a, lo)) / width
     by_name: dict[str, list] = {}
     api: dict[str, list] = {}  # the host's CUDA runtime and driver calls (launches, allocations, synchronisations, loads)
     for e in events:
@@ -217,7 +233,7 @@ def kernel_profile(prof) -> dict:
     top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:25]
     calls = sorted(api.items(), key=lambda kv: -kv[1][1])[:15]
     return {"gpu_work_s": round(sum(b - a for a, b in spans) / 1e6, 3), "gpu_any_busy_s": round(union / 1e6, 3),
-            "gpu_ops": len(spans), "first_to_last_s": round((spans[-1][1] - spans[0][0]) / 1e6, 3) if spans else None,
+            "gpu_ops": len(spans), "busy_by_tenth": [round(x, 2) for x in tenths], "first_to_last_s": round((spans[-1][1] - spans[0][0]) / 1e6, 3) if spans else None,
             "top": [{"name": k, "count": v[0], "s": round(v[1] / 1e6, 4)} for k, v in top],
             "host_calls": [{"name": k, "count": v[0], "thread_s": round(v[1] / 1e6, 4), "longest_ms": round(v[2] / 1e3, 2)}
                            for k, v in calls]}
