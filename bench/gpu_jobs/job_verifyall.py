@@ -341,7 +341,9 @@ def job_verify_all(state: dict, name: str) -> dict:
 
     from pipeline import verify_samples
 
-    for mode, params in ({} if only_preloaded else VERIFY_MODES).items():
+    # VERIFY_COLD_ONLY=1: the cold processes alone (a short call: no in-process runs, no profile)
+    cold_only = os.environ.get("VERIFY_COLD_ONLY") == "1"
+    for mode, params in ({} if only_preloaded or cold_only else VERIFY_MODES).items():
         timings.clear()
         params = dict(params)
         threads_before = torch.get_num_threads()
@@ -390,7 +392,7 @@ def job_verify_all(state: dict, name: str) -> dict:
             "checks": metrics.get("checks"),
         }
         log(f"verifyall {name} {mode}: {json.dumps(summary[mode])}")
-    if os.environ.get("VERIFY_SKIP_PRELOADED") == "1":
+    if os.environ.get("VERIFY_SKIP_PRELOADED") == "1" or cold_only:
         log(f"verifyall {name}: {json.dumps(summary)}")
         return {"summary": summary}
     # the data pass alone: references loaded beforehand (what grows with the data, without the
