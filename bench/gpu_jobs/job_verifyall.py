@@ -145,13 +145,13 @@ def head_microbench(ref) -> dict:
 
     import torch
 
-    from pipeline import verify_scan
+    from pipeline import verify_final_head
 
     dev, bf16 = ref.device, torch.bfloat16
     if dev.type != "cuda":
         return {"skipped": "no GPU"}
     weight = ref.lm_head.weight.detach().to(bf16)
-    n, hidden = verify_scan.FINAL_CHUNK_POSITIONS, weight.shape[1]
+    n, hidden = verify_final_head.FINAL_CHUNK_POSITIONS, weight.shape[1]
     x = torch.randn(n, hidden, device=dev, dtype=bf16)
 
     def ms(fn, reps=10):
@@ -180,17 +180,17 @@ def head_microbench(ref) -> dict:
     out["pin_memory_copy_ms"] = round((time.perf_counter() - t) * 100, 2)
     chunks = 96
     states = torch.empty(chunks * n, hidden, dtype=bf16).normal_()
-    slots_before = verify_scan.FINAL_HEAD_SLOTS
+    slots_before = verify_final_head.FINAL_HEAD_SLOTS
     for slots in (1, 2, 3):
-        verify_scan.FINAL_HEAD_SLOTS = slots
-        head = verify_scan.FinalHead(ref)
+        verify_final_head.FINAL_HEAD_SLOTS = slots
+        head = verify_final_head.FinalHead(ref)
         head.argmax(states[:n])
         torch.cuda.synchronize()
         t = time.perf_counter()
         with ThreadPoolExecutor(16) as pool:
             list(pool.map(lambda i, head=head: head.argmax(states[i * n : (i + 1) * n]), range(chunks)))
         out[f"final_head_{chunks}_chunks_{slots}_slots_s"] = round(time.perf_counter() - t, 3)
-    verify_scan.FINAL_HEAD_SLOTS = slots_before
+    verify_final_head.FINAL_HEAD_SLOTS = slots_before
     return out
 
 

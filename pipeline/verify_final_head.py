@@ -1,0 +1,88 @@
+"""The final-state check's head: argmax(lm_head(norm(h_N))) of a shard's chosen final-layer states, on the GPU
+when there is one (verify's scan, pipeline/verify_scan.py, calls it from its threads)."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import time
+from collections.abc import Callable
+
+import torch
+
+from pipeline.reference import FinalHeadModel, ReferenceModel
+
+# [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
+# lm_head in chunks, and at most two chunks are on the GPU at once
+FINAL_CHUNK_POSITIONS = 8192
+FINAL_HEAD_SLOTS = 2
+
+
+class FinalHead:
+    """argmax(lm_head(norm(h))) for the final-state pass (every masked position, or a seeded
+    sample of `verify.final_state_positions_per_shard` per shard).
+
+    At 8B scale lm_head is ~6% of the target's FLOPs per token, so this pass is not free. On a
+    GPU it runs lm_head on bf16 tensor cores with fp32 outputs (`mode` "bf16-fp32": the norm in
+    fp32, its output and the weight rounded to bf16, as the target itself serves), or, where
+    torch lacks `mm(..., out_dtype=)`, as a TF32 matmul ("tf32"); on a CPU in the reference's
+    fp32 ("fp32"). The reference-sample checks use the fp32 forward, never this. On a GPU each of
+    the two slots has a CUDA stream of its own and chunks go up from pinned memory, so one chunk's
+    copy overlaps the other's matmul (an 8,192-position chunk's pageable copy up took as long as its
+    matmul on an H200, 12.5 against 12.7 ms; from page-locked memory 1.2 ms).
+    """
+
+    def __init__(self, reference: ReferenceModel | FinalHeadModel) -> None:
+        self.reference = reference
+        self.wants_pinned = reference.device.type == "cuda"  # chunks copied up from page-locked memory
+        self.mode, self.weight = "fp32", None
+        self._slots: queue.SimpleQueue = queue.SimpleQueue()
+        head = reference.lm_head
+        if reference.device.type != "cuda":
+            for _ in range(FINAL_HEAD_SLOTS):
+                self._slots.put(None)
+            return
+        for _ in range(FINAL_HEAD_SLOTS):
+            self._slots.put(torch.cuda.Stream(reference.device))
+        self.mode = "tf32"
+        if getattr(head, "bias", None) is None:
+            weight = head.weight.detach().to(torch.bfloat16)
+            try:
+                torch.mm(weight[:2], weight[:2].t(), out_dtype=torch.float32)
+                self.mode, self.weight = "bf16-fp32", weight
+            except (TypeError, RuntimeError, NotImplementedError):
+                pass
+        # the slots' streams must see the weights, which were made on the loading thread's stream
+        torch.cuda.synchronize(reference.device)
+
+    @torch.inference_mode()
+    def argmax(self, final_states: torch.Tensor, timed: Callable[[str, float], float] | None = None) -> torch.Tensor:
+        """argmax over the vocabulary for final (pre-norm) states [P, H] (on the host, or already on the head's device:
+        the rows the per-sample scoring uploaded), on the CPU. `timed` (e.g. `ShardScan.timed`) is told where the time
+        went: head_pin, head_slot_wait, head_compute."""
+        lap = timed or (lambda _key, _since: time.perf_counter())
+        out = []
+        for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
+            t = time.perf_counter()
+            chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
+            if self.wants_pinned and chunk.device.type == "cpu" and not chunk.is_pinned():
+                chunk = chunk.pin_memory()  # a host copy, outside the slot: threads do it in parallel
+                t = lap("head_pin", t)
+            stream = self._slots.get()
+            t = lap("head_slot_wait", t)
+            if stream is not None and chunk.is_cuda:  # states made on the caller's stream: this one waits for them
+                stream.wait_stream(torch.cuda.current_stream(chunk.device))
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
+            finally:
+                self._slots.put(stream)
+                lap("head_compute", t)
+        return torch.cat(out)
+
+    def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
+        if self.weight is None:
+            return self.reference.final_logits(chunk.to(self.reference.device, non_blocking=True))
+        states = chunk.to(self.reference.device, non_blocking=True).to(self.reference.dtype)
+        normed = self.reference.final_norm(states)
+        return torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
