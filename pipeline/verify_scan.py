@@ -10,10 +10,11 @@ every sample's token ids and loss mask, every captured layer's rows at the posit
 tests judge (pipeline/verify_samples.py), whose final-layer rows the final-state check takes at a
 seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
 tests, the final layer's rows at every masked position are read instead). The per-layer
-statistics come from the manifest, where the extractor recorded them from the tensors it wrote. An audited shard (a seeded sample, `verify.audit_*`, and
-any shard without records) is read in full instead: its sha256 is re-computed and its statistics
-re-derived from the bytes and compared with the record. Per-layer detail (which layer is NaN, all
-zeros) is worked out only for a sample already known bad.
+statistics come from the manifest, where the extractor recorded them from the tensors it wrote.
+An audited shard (a seeded sample, `verify.audit_*`, and any shard without records) is also read
+in full (pipeline/verify_audit.py, ahead of its scan in threads of its own): its sha256 is
+re-computed and its statistics re-derived from the bytes and compared with the record. Per-layer
+detail (which layer is NaN, all zeros) is worked out only for a sample already known bad.
 """
 
 from __future__ import annotations
@@ -172,8 +173,9 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
         ctx.staging = staging_for(ctx, threads)
     if threads == 1:
         return [scan_shard(p, ctx) for p in progress(files, desc="verify shards", unit="shard")]
-    read_fully = [i for i, p in enumerate(files) if ctx.hash_all or p.stem in ctx.audit]
-    order = sorted(range(len(files)), key=lambda i: ctx.hash_all or files[i].stem in ctx.audit)
+    ahead = [ctx.hash_all or p.stem in ctx.audit for p in files]  # read in full, ahead of the scan
+    read_fully = [i for i, a in enumerate(ahead) if a]
+    order = [i for i, a in enumerate(ahead) if not a] + read_fully
     scans: list[ShardScan | None] = [None] * len(files)
     readers = ThreadPoolExecutor(max_workers=max(1, min(threads, len(read_fully))), thread_name_prefix="verify-audit")
     try:
@@ -209,12 +211,13 @@ def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) ->
     scan.audited = path.stem in ctx.audit or records is None
     full = None
     if scan.audited or ctx.hash_all:
-        t = time.perf_counter()
-        without_records = scan.audited and path.stem not in ctx.audit  # its statistics are to be derived here
-        if full_read is not None and not without_records:
+        # read ahead with statistics for the audit's names only: a shard found here without records (hashed ahead
+        # under hash_all, or one scan thread) is read now
+        if full_read is not None and (path.stem in ctx.audit or not scan.audited):
+            t = time.perf_counter()
             full = full_read.result()
             scan.timed("full_read_wait", t)
-        else:  # one scan thread, or statistics nobody read ahead
+        else:
             full = read_in_full(path, scan.audited)
         for key, seconds in full.seconds.items():
             scan.seconds[key] = scan.seconds.get(key, 0.0) + seconds
