@@ -130,7 +130,8 @@ def profiled_cold_process(proj: Path, out: Path) -> dict:
     target = out / "verify_pyspy.txt"
     # VERIFY_PYSPY=gil: only samples of threads holding the GIL (how much of the wall one interpreter lock holds)
     which = ["--gil"] if os.environ.get("VERIFY_PYSPY") == "gil" else ["--idle"]
-    cmd = [binary, "record", *which, "--threads", "--rate", "100", "--format", "raw", "--output", str(target),
+    rate = os.environ.get("VERIFY_PYSPY_RATE", "100")  # samples a second (bench/pyspy_summary.py's third argument)
+    cmd = [binary, "record", *which, "--threads", "--rate", rate, "--format", "raw", "--output", str(target),
            "--", sys.executable, "-c", COLD_PROCESS]
     t = time.monotonic()
     run = subprocess.run(cmd, cwd=proj, capture_output=True, text=True)
