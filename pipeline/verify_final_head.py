@@ -74,18 +74,11 @@ class FinalHead:
                 stream.wait_stream(torch.cuda.current_stream(chunk.device))
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    out.append(self.device_argmax(chunk).cpu())  # .cpu() waits for this stream only
+                    out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
             finally:
                 self._slots.put(stream)
                 lap("head_compute", t)
         return torch.cat(out)
-
-    @torch.inference_mode()
-    def device_argmax(self, final_states: torch.Tensor) -> torch.Tensor:
-        """argmax over the vocabulary [P] on the head's device, queued on the caller's current stream, nothing waited
-        for: the per-sample scoring runs it on its own stream before the one host copy of its batch."""
-        return torch.cat([self._logits(final_states[i : i + FINAL_CHUNK_POSITIONS]).argmax(-1)
-                          for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS)])
 
     def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
         if self.weight is None:

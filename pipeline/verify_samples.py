@@ -259,15 +259,10 @@ class Coherence:
     def score_keeping_final_states(self, samples: list[tuple[int, np.ndarray, str, np.ndarray | torch.Tensor]],
                                    final_positions: dict[int, np.ndarray],
                                    timed: Callable[[str, float], float] | None = None,
-                                   staging: StagingBuffer | None = None,
-                                   on_final_states: Callable[[torch.Tensor], torch.Tensor] | None = None,
-                                   ) -> tuple[list[SampleScores], dict[int, torch.Tensor]]:
+                                   staging: StagingBuffer | None = None) -> tuple[list[SampleScores], dict[int, torch.Tensor]]:
         """`score_samples`, and per sample id in `final_positions` the final captured layer's states [P, H] (as stored,
         on the scoring device) at those positions, which must be judged ones (`judged_positions`): the final-state
-        check takes them from the rows already uploaded for scoring instead of reading the shard again. With
-        `on_final_states` (e.g. `FinalHead.device_argmax`: states [P, H] -> [P, ...] on the device, queued, not waited
-        for) its results instead, on the CPU: it runs on the batch's stream before the batch's one host copy, so a
-        shard's scoring and its final-state check wait for the GPU once."""
+        check takes them from the rows already uploaded for scoring instead of reading the shard again."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         L = len(self.layer_ids)
         scored: dict[int, SampleScores] = {}
@@ -301,7 +296,7 @@ class Coherence:
                 t = lap("coherence_slot_wait", t)
                 try:
                     with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                        batch_scores, finals = self._score_batch(dtype, batch, *staged, on_final_states)
+                        batch_scores, finals = self._score_batch(dtype, batch, *staged)
                 finally:
                     self._slots.put(stream)
                     lap("coherence_compute", t)
@@ -341,8 +336,7 @@ class Coherence:
         out.copy_(torch.from_numpy(flat))
         return out
 
-    def _score_batch(self, dtype: str, batch: list, rows: torch.Tensor, indices: torch.Tensor,
-                     on_final_states: Callable[[torch.Tensor], torch.Tensor] | None = None) -> tuple[dict[int, SampleScores], torch.Tensor]:
+    def _score_batch(self, dtype: str, batch: list, rows: torch.Tensor, indices: torch.Tensor) -> tuple[dict[int, SampleScores], torch.Tensor]:
         """Per judged position and test, the residual share against the share a mismatched
         contrast leaves (as a ratio; the tests judge its log): each layer predicted from the other
         layers of the *next* judged position of the same sample, the first layer from the embedding of
@@ -425,12 +419,8 @@ class Coherence:
             gain = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
             exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         finals = stored[final_rows, L - 1]  # before the host copy, which then waits for it too: another stream reads it
-        if on_final_states is not None and p:
-            finals = on_final_states(finals)
-        # one host copy for the batch (tests and exchange together); it waits for the final states' work too
+        # one host copy for the batch (tests and exchange together)
         out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
-        if on_final_states is not None:
-            finals = finals.cpu() if p else torch.zeros(0, dtype=torch.long)
         tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
         scores = {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                   for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}

@@ -336,13 +336,13 @@ def scan_samples(
         if to_score:
             t = time.perf_counter()
             wanted = {sample_of[name]: positions for name, positions, _ in chosen} if from_scoring else {}
-            # lm_head on the scoring's stream, before its host copy: one wait for the GPU a batch, not two
-            head = ctx.final_head.device_argmax if wanted else None
-            scores, argmax = ctx.coherence.score_keeping_final_states(to_score, wanted, scan.timed, staging, head)
+            scores, final_states = ctx.coherence.score_keeping_final_states(to_score, wanted, scan.timed, staging)
             scan.sample_scores.extend(scores)
-            scan.timed("sample_coherence", t)
-            if argmax:
-                predicted.append(torch.cat([argmax[sample_of[name]] for name, _, _ in chosen]))
+            t = scan.timed("sample_coherence", t)
+            if final_states:
+                predicted.append(ctx.final_head.argmax(torch.cat([final_states[sample_of[name]] for name, _, _ in chosen]),
+                                                       scan.timed))
+                scan.timed("final_lm_head", t)
         if not from_scoring:  # through lm_head in pieces the staging buffer holds
             for piece in split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
                 t = time.perf_counter()
