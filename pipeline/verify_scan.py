@@ -20,6 +20,7 @@ detail (which layer is NaN, all zeros) is worked out only for a sample already k
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -146,6 +147,10 @@ class ShardScan:
 # scan threads by default: on an H200 (8B shape, 16 cores) 4 threads kept its GPU as busy as 16 did, and 16 took 2-3x
 # the thread-seconds (GIL, page-locked staging, the GPU's queues); docs/BENCHMARKS.md "Verify's scan, session 16"
 DEFAULT_WORKERS = 4
+# the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
+# row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
+# (8B shape) 1 ms took the scan 1.98-2.19 -> 1.57 s (docs/BENCHMARKS.md "Verify's scan, session 19")
+SCAN_SWITCH_INTERVAL = 0.001
 
 
 def default_workers() -> int:
@@ -178,6 +183,8 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
     order = [i for i, a in enumerate(ahead) if not a] + read_fully
     scans: list[ShardScan | None] = [None] * len(files)
     readers = ThreadPoolExecutor(max_workers=max(1, min(threads, len(read_fully))), thread_name_prefix="verify-audit")
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, SCAN_SWITCH_INTERVAL))
     try:
         full_reads = {i: readers.submit(read_in_full, files[i], files[i].stem in ctx.audit) for i in read_fully}
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
@@ -186,6 +193,7 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
                 scans[i] = scan
     finally:
         readers.shutdown(cancel_futures=True)
+        sys.setswitchinterval(interval)
     return scans
 
 
