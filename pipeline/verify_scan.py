@@ -149,7 +149,8 @@ class ShardScan:
 DEFAULT_WORKERS = 4
 # the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
 # row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
-# (8B shape) 1 ms took the scan 1.98-2.19 -> 1.57 s (docs/BENCHMARKS.md "Verify's scan, session 19")
+# (8B shape) on a contended host 1 ms took the scan 1.98-2.19 -> 1.57 s; on a fast one it changed nothing, and 0.5 ms was
+# slower (docs/BENCHMARKS.md "Verify's scan, session 19")
 SCAN_SWITCH_INTERVAL = 0.001
 
 
