@@ -5,6 +5,10 @@ a GPU with --bf16; states stored as F32 or, as an 8B extraction stores them, --s
 
     python bench/verify_sample_scoring.py --rev 43cf16e --hidden 1024 --layers 4 --tokens 640 --samples 16
 
+--device cuda: the tree alone (no --rev) scored on a GPU, each batch timed to its end; with --profile, the batch's
+kernels (torch.profiler), the GPU's own time per operation, on one stream and nothing else running: an 8B shard's batch
+is `--hidden 4096 --layers 4 --tokens 512 --samples 20 --stored BF16`.
+
 --traffic: what a GPU would run of a batch's scoring, counted from the operations themselves (torch's dispatch, on the
 CPU): per operation its calls and the bytes it reads and writes, in units of one [n, L, H] fp32 tensor (n judged
 rows), the products apart with their flops. On an H200 the passes outside the products were 40% of the scan's GPU time
@@ -18,12 +22,16 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
+
+from pipeline.host_staging import HostStaging
+from pipeline.verify_samples import INDICES_PER_ROW
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
 
@@ -91,7 +99,7 @@ def load(path: Path, name: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rev", required=True)
+    ap.add_argument("--rev", help="an older commit to compare with (CPU)")
     ap.add_argument("--hidden", type=int, default=1024)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=640)
@@ -100,25 +108,33 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="score with bf16 predictors, as on a GPU")
     ap.add_argument("--stored", choices=("F32", "BF16"), default="F32", help="the states' dtype in the shards")
     ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
+    ap.add_argument("--device", default="cpu", help="where the scoring runs (the samples stay on the host, as in shards)")
+    ap.add_argument("--profile", action="store_true", help="the batch's kernels on the GPU (--device cuda)")
+    ap.add_argument("--threads", type=int, default=1, help="also score from this many threads at once, as the scan does "
+                    "(each --repeat batches, a staging buffer each): batches a second against one thread's")
     a = ap.parse_args()
-    old_source = subprocess.run(["git", "show", f"{a.rev}:pipeline/verify_samples.py"], capture_output=True, text=True,
-                                check=True).stdout
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "old.py").write_text(old_source)
-        modules = {a.rev: load(Path(tmp) / "old.py", "old_verify_samples"),
-                   "tree": load(Path("pipeline/verify_samples.py"), "tree_verify_samples")}
+    modules = {}
+    if a.rev:
+        old_source = subprocess.run(["git", "show", f"{a.rev}:pipeline/verify_samples.py"], capture_output=True,
+                                    text=True, check=True).stdout
+        with tempfile.TemporaryDirectory() as tmp:
+            (Path(tmp) / "old.py").write_text(old_source)
+            modules[a.rev] = load(Path(tmp) / "old.py", "old_verify_samples")
+    modules["tree"] = load(Path("pipeline/verify_samples.py"), "tree_verify_samples")
+    device = torch.device(a.device)
+    done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     H, L, V = a.hidden, a.layers, 1000
     torch.manual_seed(0)
-    embedding = torch.randn(V, H)
-    mix = [torch.randn(H, H) / H**0.5 for _ in range(L)]
+    embedding = torch.randn(V, H).to(device)
+    mix = [(torch.randn(H, H) / H**0.5).to(device) for _ in range(L)]
 
     def sample(tokens: int) -> tuple[np.ndarray, torch.Tensor]:
         ids = torch.randint(0, V, (tokens,))
-        x, layers = embedding[ids], []
+        x, layers = embedding[ids.to(device)], []
         for j in range(L):  # each layer a noisy function of the one before: the coherence the predictors fit
-            x = x + 0.5 * torch.tanh(x @ mix[j]) + 0.05 * torch.randn(tokens, H)
+            x = x + 0.5 * torch.tanh(x @ mix[j]) + 0.05 * torch.randn(tokens, H).to(device)
             layers.append(x)
-        states = torch.stack(layers, 1)
+        states = torch.stack(layers, 1).cpu()  # on the host, as a shard's rows are
         return (states.to(torch.bfloat16).view(torch.int16) if a.stored == "BF16" else states).numpy(), ids
 
     samples = [sample(a.tokens) for _ in range(a.samples)]
@@ -140,10 +156,40 @@ def main() -> None:
         coherence.score_samples(items[:2])  # first use
         runs = []
         for _ in range(a.repeat):
+            done()
             wall = time.perf_counter()
             results[label] = coherence.score_samples(items)
+            done()
             runs.append(time.perf_counter() - wall)
-        print(f"{label}: {min(runs):.3f} s per shard batch ({len(items)} samples x {a.tokens} tokens; best of {a.repeat})")
+        print(f"{label}: {min(runs):.4f} s per shard batch ({len(items)} samples x {a.tokens} tokens; best of {a.repeat}; "
+              f"all {', '.join(f'{r:.4f}' for r in runs)})")
+        if a.threads > 1:
+            staging = HostStaging(a.threads, items[0][1][1:].nbytes * len(items), INDICES_PER_ROW * a.tokens * len(items),
+                                  pinned=device.type == "cuda")
+
+            def scoring_thread(_coherence=coherence, _staging=staging) -> None:
+                for _ in range(a.repeat):
+                    with _staging.buffer() as buffer:
+                        _coherence.score_samples(items, staging=buffer)
+
+            with ThreadPoolExecutor(a.threads) as pool:  # once to warm each thread's stream and buffer, then timed
+                list(pool.map(lambda _: scoring_thread(), range(a.threads)))
+                done()
+                wall = time.perf_counter()
+                list(pool.map(lambda _: scoring_thread(), range(a.threads)))
+                done()
+                wall = time.perf_counter() - wall
+            rate = a.threads * a.repeat / wall
+            print(f"{label}: {a.threads} threads {rate:.1f} batches/s against one thread's {1 / min(runs):.1f} "
+                  f"({rate * min(runs):.2f}x)")
+        if a.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                coherence.score_samples(items)
+                done()
+            print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
+                                            row_limit=40, max_name_column_width=60))
         if a.traffic:
             traffic, rows, scored = Traffic(), [], coherence._score_batch
 
@@ -155,6 +201,8 @@ def main() -> None:
             coherence._score_batch = counted
             coherence.score_samples(items)
             traffic_table(label, traffic, sum(rows) * L * H * 4)
+    if not a.rev:
+        return
     old, new = results[a.rev], results["tree"]
     same = all(torch.equal(o.shares, n.shares) and torch.equal(o.exchange, n.exchange) for o, n in zip(old, new, strict=True))
     diff = max(float((o.shares - n.shares).abs().max() / o.shares.abs().max()) for o, n in zip(old, new, strict=True))
