@@ -110,9 +110,12 @@ def main() -> None:
     ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
     ap.add_argument("--device", default="cpu", help="where the scoring runs (the samples stay on the host, as in shards)")
     ap.add_argument("--profile", action="store_true", help="the batch's kernels on the GPU (--device cuda)")
+    ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads (its CPU operations: the rows' gather)")
     ap.add_argument("--threads", type=int, default=1, help="also score from this many threads at once, as the scan does "
                     "(each --repeat batches, a staging buffer each): batches a second against one thread's")
     a = ap.parse_args()
+    if a.torch_threads:
+        torch.set_num_threads(a.torch_threads)
     modules = {}
     if a.rev:
         old_source = subprocess.run(["git", "show", f"{a.rev}:pipeline/verify_samples.py"], capture_output=True,
