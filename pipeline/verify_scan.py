@@ -184,8 +184,12 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
     order = [i for i, a in enumerate(ahead) if not a] + read_fully
     scans: list[ShardScan | None] = [None] * len(files)
     readers = ThreadPoolExecutor(max_workers=max(1, min(threads, len(read_fully))), thread_name_prefix="verify-audit")
-    interval = sys.getswitchinterval()
+    interval, intra_op = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(min(interval, SCAN_SWITCH_INTERVAL))
+    # torch's CPU operations (the rows' gather) share the cores among the scan threads: each thread's call otherwise
+    # starts a team of every core's thread (16 x 4 on an H200 host), and the GPU's feeders wait for cores (a shard's
+    # scoring from 4 threads: 91 -> 117 batches a second; docs/BENCHMARKS.md "Verify's scan, session 19")
+    torch.set_num_threads(max(1, min(intra_op, len(os.sched_getaffinity(0)) // threads)))
     try:
         full_reads = {i: readers.submit(read_in_full, files[i], files[i].stem in ctx.audit) for i in read_fully}
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
@@ -195,6 +199,7 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
     finally:
         readers.shutdown(cancel_futures=True)
         sys.setswitchinterval(interval)
+        torch.set_num_threads(intra_op)
     return scans
 
 
