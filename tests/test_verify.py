@@ -4,6 +4,8 @@ must fail naming the right check (and where); clean data must raise no alarm."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -109,6 +111,22 @@ def test_clean_extraction_passes(project: Path):
     # only the seeded audit sample is read in full and re-hashed
     assert set(metrics["audited_shards"]) == audited(project) and 0 < len(audited(project)) < len(shards(project))
     assert metrics["hashed_shards"] == len(audited(project))
+
+
+def test_scan_leaves_the_process_settings_as_it_found_them(project: Path):
+    """The threaded scan shares the cores among its threads and hands the GIL over more often, for its own duration:
+    a process that runs verify (the bench, a notebook) keeps its torch threads and switch interval. In a process of its
+    own: vLLM's CPU worker, run in this one by the extraction fixture, makes torch.set_num_threads a no-op here."""
+    code = (
+        "import sys, torch; from pipeline.params import VerifyParams; from pipeline.stages import verify; "
+        "torch.set_num_threads(2); sys.setswitchinterval(0.004); "
+        f"verify.run(VerifyParams(workers=2, **{VERIFY!r})); "
+        "print('SETTINGS', torch.get_num_threads(), sys.getswitchinterval())"
+    )
+    run = subprocess.run([sys.executable, "-c", code], cwd=project, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = next(x for x in run.stdout.splitlines() if x.startswith("SETTINGS"))
+    assert line.split()[1:] == ["2", "0.004"], line
 
 
 def test_clean_extraction_passes_on_records_only_and_every_shard_audited(project: Path):
