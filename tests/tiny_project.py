@@ -74,7 +74,7 @@ def _learn_successor(model: LlamaForCausalLM, seed: int, steps: int = 300) -> No
     arithmetic, seeds 0-2."""
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    decay = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1 - step / steps)
+    decay = torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=0.0, total_iters=steps)
     for _ in range(steps):
         ids = _chains(g, 16, 32)
         loss = model(ids, labels=ids).loss
