@@ -147,7 +147,9 @@ class ShardScan:
 # scan threads by default: on an H200 (8B shape, 16 cores) 4 threads kept its GPU as busy as 16 did, and 16 took 2-3x
 # the thread-seconds (GIL, page-locked staging, the GPU's queues); docs/BENCHMARKS.md "Verify's scan, session 16". Each
 # of those threads' gathers then ran on every core (see scan_shards); sharing them, a shard's scoring alone went 117
-# batches a second from 4 threads and 147 from 8 (session 19): 8 is the next full scan's variant
+# batches a second from 4 threads and 147 from 8 (session 19), but the whole scan from 8 was not clearly faster: on one
+# H100, median 4.94% of the extraction (8 runs) against 5.05% from 4 (9 runs; docs/BENCHMARKS.md "Verify's scan,
+# session 21")
 DEFAULT_WORKERS = 4
 # the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
 # row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
