@@ -79,17 +79,20 @@ def _read_once(data: np.ndarray, header: dict, data_start: int, states: list) ->
 def _states_in_file_order(header: dict, data_start: int, size: int) -> list[tuple[int, str, int, int]] | None:
     """(sample id, tensor name, first byte, end) of each sample's states in file order; None where two overlap or one
     lies outside the file (a corrupt shard: `_read_twice` reads it as it is)."""
-    states = []
-    for name, entry in header.items():
-        sid, _, kind = name.partition("/")
-        if kind == "hidden_states" and sid.isdigit() and entry["dtype"] in _NUMPY_VIEW and len(entry["shape"]) == 3:
-            begin, end = entry["data_offsets"]
-            states.append((int(sid), name, data_start + begin, data_start + end))
-    states.sort(key=lambda s: s[2])
+    states = sorted(((sid, name, data_start + entry["data_offsets"][0], data_start + entry["data_offsets"][1])
+                     for sid, name, entry in _sample_states(header)), key=lambda s: s[2])
     ends = [data_start] + [end for *_, end in states]
     if any(begin < previous or end > size for (_, _, begin, end), previous in zip(states, ends, strict=False)):
         return None
     return states
+
+
+def _sample_states(header: dict):
+    """(sample id, tensor name, header entry) of each sample's [T, L, H] states of a dtype with a numpy view."""
+    for name, entry in header.items():
+        sid, _, kind = name.partition("/")
+        if kind == "hidden_states" and sid.isdigit() and entry["dtype"] in _NUMPY_VIEW and len(entry["shape"]) == 3:
+            yield int(sid), name, entry
 
 
 def _hash(digest, data: np.ndarray, found: FullRead) -> None:
@@ -122,10 +125,8 @@ def _read_twice(path: Path, data: np.ndarray, header: dict | None, data_start: i
     if header is not None:
         shard = ShardView(data, header, data_start)
         try:
-            for name, entry in header.items():
-                sid, _, kind = name.partition("/")
-                if kind == "hidden_states" and sid.isdigit() and entry["dtype"] in _NUMPY_VIEW and len(entry["shape"]) == 3:
-                    found.stats[int(sid)] = shard_stats.sample_stats(shard.numpy(name))
+            for sid, name, _ in _sample_states(header):
+                found.stats[sid] = shard_stats.sample_stats(shard.numpy(name))
         except (ValueError, KeyError, TypeError):
             found.stats.clear()
     found.seconds["audit_stats"] = time.perf_counter() - t
