@@ -41,6 +41,7 @@ from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manife
 from pipeline.verify_audit import read_in_full
 from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead
 from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, judged_positions
+from pipeline.verify_values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know
 
@@ -322,10 +323,11 @@ def scan_samples(
             continue
         else:
             stats = np.asarray(recorded, dtype=np.float64)
-        lo, hi = stats[:, 2], stats[:, 3]
-        if not (np.isfinite(lo).all() and np.isfinite(hi).all()) or (T * H > 1 and (lo == hi).any()):
-            report_bad_values(scan, sid, shard.tensor(name), ctx.layer_ids)
+        if suspect_layers(stats, T * H):
+            for check, message, layer in bad_values(shard.tensor(name), ctx.layer_ids, stats):
+                scan.fail(check, message, sample=sid, layer=layer)
             continue
+        lo, hi = stats[:, 2], stats[:, 3]
         sums[:, 0] += stats[:, 0]
         sums[:, 1] += stats[:, 1]
         sums[:, 2] = np.maximum(sums[:, 2], np.maximum(-lo, hi))
@@ -437,16 +439,3 @@ def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch
         scan.fail("structure", "loss_mask differs from the prepared dataset's", sample=sid)
         ok = False
     return ok
-
-
-def report_bad_values(scan: ShardScan, sid: int, hs: torch.Tensor, layer_ids: list[int]) -> None:
-    for i, lid in enumerate(layer_ids):
-        layer = hs[:, i]
-        bad = (~torch.isfinite(layer)).sum().item()
-        if bad:
-            kinds = [k for k, n in (("NaN", torch.isnan(layer).sum().item()), ("Inf", torch.isinf(layer).sum().item())) if n]
-            scan.fail("values", f"{bad} non-finite values ({'/'.join(kinds)})", sample=sid, layer=lid)
-        elif not layer.any():
-            scan.fail("values", "layer is all zeros", sample=sid, layer=lid)
-        elif layer.numel() > 1 and (layer == layer.reshape(-1)[0]).all():
-            scan.fail("values", f"layer is constant ({layer.reshape(-1)[0].item():g})", sample=sid, layer=lid)
