@@ -33,7 +33,7 @@ def bad_values(hs: torch.Tensor, layer_ids: list[int], stats: np.ndarray) -> lis
         bad = (~torch.isfinite(layer)).sum().item()
         if bad:
             kinds = [k for k, n in (("NaN", torch.isnan(layer).sum().item()), ("Inf", torch.isinf(layer).sum().item())) if n]
-            found.append(("values", f"{bad} non-finite values ({'/'.join(kinds)})", lid))
+            found.append(("values", f"{bad} non-finite values ({'/'.join(kinds)}) {at_positions(~torch.isfinite(layer))}", lid))
         elif not layer.any():
             found.append(("values", "layer is all zeros", lid))
         elif layer.numel() > 1 and (layer == layer.reshape(-1)[0]).all():
@@ -47,3 +47,10 @@ def bad_values(hs: torch.Tensor, layer_ids: list[int], stats: np.ndarray) -> lis
          layer_ids[i])
         for i in suspect_layers(stats, hs.shape[0] * hs.shape[2])
     ]
+
+
+def at_positions(wrong: torch.Tensor, shown: int = 8) -> str:
+    """Where a [T, H] mask of wrong values lies, as token positions: "at position 3", "at 12 positions: 0, 4, ..."."""
+    positions = torch.nonzero(wrong.any(1)).flatten().tolist()
+    listed = ", ".join(str(p) for p in positions[:shown]) + (", ..." if len(positions) > shown else "")
+    return f"at position {listed}" if len(positions) == 1 else f"at {len(positions)} positions: {listed}"

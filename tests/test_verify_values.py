@@ -50,7 +50,15 @@ def test_non_finite_in_any_chunk_is_named(tmp_path: Path, row: int, value: float
     states[row, 1, 5] = value
     findings = judge(tmp_path, states)
     assert [(check, layer) for check, _, layer in findings] == [("values", 16)], findings
-    assert word in findings[0][1] and "1 non-finite" in findings[0][1]
+    assert word in findings[0][1] and f"1 non-finite values ({word}) at position {row}" in findings[0][1]
+
+
+def test_positions_of_non_finite_values_are_listed(tmp_path: Path):
+    states = clean()
+    states[[5, 40, 41, 300, 301, 302, 303, 500, 598, 599], 0, 7] = float("nan")
+    states[41, 0, 9] = float("nan")
+    message = judge(tmp_path, states)[0][1]
+    assert message == "11 non-finite values (NaN) at 10 positions: 5, 40, 41, 300, 301, 302, 303, 500, ...", message
 
 
 def test_nan_outside_the_last_chunk_shows_in_the_sums():
