@@ -230,7 +230,7 @@ class VerifyParams(_Section):
     min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match the reference's.")
     argmax_disagreement_ratio: float = Field(2.0, gt=0, description="bf16/fp16: argmax disagreement with the fp32 reference may be this many times an independent same-dtype reference's.")
     min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
-    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 4 (more contend on an H200: docs/BENCHMARKS.md).")
+    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 8 with a GPU and 4 without (docs/BENCHMARKS.md, \"Verify's scan, session 22\").")
     audit_fraction: float = Field(
         0.02, ge=0, le=1,
         description="Share of shards (seeded) read in full: sha256 and per-layer statistics re-derived from the bytes and "

@@ -145,13 +145,14 @@ class ShardScan:
         self.findings.append(Finding(check, message, shard=self.name, **where))
 
 
-# scan threads by default: on an H200 (8B shape, 16 cores) 4 threads kept its GPU as busy as 16 did, and 16 took 2-3x
-# the thread-seconds (GIL, page-locked staging, the GPU's queues); docs/BENCHMARKS.md "Verify's scan, session 16". Each
-# of those threads' gathers then ran on every core (see scan_shards); sharing them, a shard's scoring alone went 117
-# batches a second from 4 threads and 147 from 8 (session 19), but the whole scan from 8 was not clearly faster: on one
-# H100, median 4.94% of the extraction (8 runs) against 5.05% from 4 (9 runs; docs/BENCHMARKS.md "Verify's scan,
-# session 21")
+# scan threads by default on a CPU: each thread's scoring is torch's CPU work, on its share of the cores
 DEFAULT_WORKERS = 4
+# and where the scan feeds a GPU: 4 threads kept an H200 as busy as 16 did (16 took 2-3x the thread-seconds: GIL,
+# page-locked staging, the GPU's queues; docs/BENCHMARKS.md "Verify's scan, session 16"); 8 threads, with torch's CPU
+# operations on half the cores between them (one each on 16; `intra_op_threads`), scanned the 8B shape on an H100 in
+# 1.167-1.173 s against 1.300-1.337 s from 4 threads at four each (session 22), where 8 at two each had not been
+# clearly faster than 4 at four (session 21)
+DEFAULT_GPU_WORKERS = 8
 # the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
 # row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
 # (8B shape) on a contended host 1 ms took the scan 1.98-2.19 -> 1.57 s; on a fast one it changed nothing, and 0.5 ms was
@@ -160,7 +161,19 @@ SCAN_SWITCH_INTERVAL = 0.001
 
 
 def default_workers() -> int:
-    return max(1, min(DEFAULT_WORKERS, len(os.sched_getaffinity(0))))
+    wanted = DEFAULT_GPU_WORKERS if torch.cuda.is_available() else DEFAULT_WORKERS
+    return max(1, min(wanted, len(os.sched_getaffinity(0))))
+
+
+def intra_op_threads(threads: int, current: int) -> int:
+    """torch's intra-op threads while `threads` scan threads run. Their CPU operations (a GPU host's row gathers, a CPU's
+    whole scoring) share the cores: each thread's call otherwise starts a team of every core's thread (16 x 4 on an
+    H200 host), and the GPU's feeders wait for cores (a shard's scoring from 4 threads: 91 -> 117 batches a second,
+    session 19). Feeding a GPU, they share half the cores, the rest left to the audit's readers, the CUDA calls and the
+    Python between them: 8 threads at one each on 16 cores scanned the 8B shape ~12% faster than 4 at four
+    (docs/BENCHMARKS.md "Verify's scan, session 22"), where 8 at two had not been clearly faster (session 21)."""
+    cores = len(os.sched_getaffinity(0))
+    return max(1, min(current, cores // (2 * threads) if torch.cuda.is_available() else cores // threads))
 
 
 def scan_threads(workers: int, shards: int) -> int:
@@ -191,10 +204,7 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
     readers = ThreadPoolExecutor(max_workers=max(1, min(threads, len(read_fully))), thread_name_prefix="verify-audit")
     interval, intra_op = sys.getswitchinterval(), torch.get_num_threads()
     sys.setswitchinterval(min(interval, SCAN_SWITCH_INTERVAL))
-    # torch's CPU operations (the rows' gather) share the cores among the scan threads: each thread's call otherwise
-    # starts a team of every core's thread (16 x 4 on an H200 host), and the GPU's feeders wait for cores (a shard's
-    # scoring from 4 threads: 91 -> 117 batches a second; docs/BENCHMARKS.md "Verify's scan, session 19")
-    torch.set_num_threads(max(1, min(intra_op, len(os.sched_getaffinity(0)) // threads)))
+    torch.set_num_threads(intra_op_threads(threads, intra_op))
     try:
         full_reads = {i: readers.submit(read_in_full, files[i], files[i].stem in ctx.audit) for i in read_fully}
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
