@@ -1,6 +1,7 @@
 """The code copies and variants of the next budget call (docs/BENCHMARKS.md "Verify's scan, session 22"): two ways the
-scan's threads could use the host's cores, each a copy of this revision's `pipeline/` with the one line that sets
-torch's intra-op threads for the scan changed, and a diagnostic without the audit, interleaved with main.
+scan's threads could use the host's cores, each a copy of `--rev`'s `pipeline/` (1fd57d5: the 4-thread scan that
+session 22's call 3 measured them against; 541db86 made v8x1 the GPU default) with the one line that sets torch's
+intra-op threads for the scan changed, and a diagnostic without the audit, interleaved with main.
 
     python bench/scan_thread_variants.py --out .gpucarry   # writes .gpucarry/v8x1, .gpucarry/v4x3, .gpucarry/variants.json
 
@@ -28,17 +29,17 @@ CANDIDATES = {
 NO_AUDIT = {"audit_fraction": 0.0, "audit_min_shards": 0}  # a diagnostic: no shard read in full, not a setting to ship
 
 
-def copy_with(out: Path, name: str, line: str) -> Path:
-    """`git archive HEAD pipeline` under out/name, with the intra-op line replaced by `line`."""
+def copy_with(out: Path, rev: str, name: str, line: str) -> Path:
+    """`git archive <rev> pipeline` under out/name, with the intra-op line replaced by `line`."""
     target = out / name
     shutil.rmtree(target, ignore_errors=True)
-    archive = subprocess.run(["git", "archive", "HEAD", "pipeline"], check=True, capture_output=True).stdout
+    archive = subprocess.run(["git", "archive", rev, "pipeline"], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(target, filter="tar")
     scan = target / "pipeline" / "verify_scan.py"
     text = scan.read_text()
     if text.count(INTRA_OP) != 1:
-        raise SystemExit(f"{scan}: the intra-op line is not there once; update {__file__} to today's verify_scan.py")
+        raise SystemExit(f"{scan}: the intra-op line is not there once; pass a --rev that has it")
     scan.write_text(text.replace(INTRA_OP, line))
     return target
 
@@ -46,8 +47,9 @@ def copy_with(out: Path, name: str, line: str) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path(".gpucarry"))
+    ap.add_argument("--rev", default="1fd57d5", help="the revision whose pipeline/ the copies change")
     args = ap.parse_args()
-    codes = {name: str(copy_with(args.out, name, line)) for name, (line, _) in CANDIDATES.items()}
+    codes = {name: str(copy_with(args.out, args.rev, name, line)) for name, (line, _) in CANDIDATES.items()}
     variants: dict[str, dict] = {}
     for rep in (1, 2):  # interleaved: identical processes differ by up to ~10%, and the host drifts within a call
         for name, (_, params) in CANDIDATES.items():

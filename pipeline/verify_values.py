@@ -30,10 +30,10 @@ def bad_values(hs: torch.Tensor, layer_ids: list[int], stats: np.ndarray) -> lis
     found = []
     for i, lid in enumerate(layer_ids):
         layer = hs[:, i]
-        bad = (~torch.isfinite(layer)).sum().item()
-        if bad:
+        wrong = ~torch.isfinite(layer)
+        if bad := wrong.sum().item():
             kinds = [k for k, n in (("NaN", torch.isnan(layer).sum().item()), ("Inf", torch.isinf(layer).sum().item())) if n]
-            found.append(("values", f"{bad} non-finite values ({'/'.join(kinds)}) {at_positions(~torch.isfinite(layer))}", lid))
+            found.append(("values", f"{bad} non-finite values ({'/'.join(kinds)}) {at_positions(wrong)}", lid))
         elif not layer.any():
             found.append(("values", "layer is all zeros", lid))
         elif layer.numel() > 1 and (layer == layer.reshape(-1)[0]).all():
