@@ -131,7 +131,9 @@ def test_killed_forced_rerun_of_a_finished_extraction_is_restored(project: Path)
 def test_killed_first_run_after_a_param_change_resumes(project: Path) -> None:
     set_param(project, "extract", "samples_per_shard", 3)
     kill_when(project, PARTIAL / "shard-00001.json", "repro", "extract")
-    kept = len(list((project / PARTIAL).glob("shard-*.json")))
+    # a shard is kept when both its files are: the mirror's listing can race the stage's renames and link a
+    # manifest without the data written just before it (that shard is then recomputed, not resumed)
+    kept = sum(p.with_suffix(".safetensors").is_file() for p in (project / PARTIAL).glob("shard-*.json"))
     out = retype(project, "repro", "extract")
     assert "Running stage 'extract'" in out, out[-3000:]
     m = extract_metrics(project)
