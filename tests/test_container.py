@@ -232,7 +232,9 @@ def runs(cpu_base: str, cpu_image: str) -> dict:
             for cid in subprocess.run(["docker", "ps", "-q", "--filter", f"label={launcher.STAGE_LABEL}"],
                                       capture_output=True, text=True).stdout.split():
                 subprocess.run(["docker", "kill", cid], capture_output=True)
-    after_kill = sorted(p.name for p in (docker / output_guard.partial_path(layout.HIDDEN_STATES_DIR)).glob("shard-*.json"))
+    # kept shards: both files linked (the mirror's listing can race a rename and keep a manifest without its data)
+    after_kill = sorted(p.name for p in (docker / output_guard.partial_path(layout.HIDDEN_STATES_DIR)).glob("shard-*.json")
+                        if p.with_suffix(".safetensors").is_file())
     resumed = run(docker, ["python", "-m", "dvc", "repro"])
     docker_wall = time.monotonic() - t0
     return {"native": native, "docker": docker, "killed_rc": killed.returncode, "killed_out": killed_out,
