@@ -210,8 +210,8 @@ class Coherence:
             rows = weights[: L * H].reshape(L, H, -1)
             # a layer is not predicted from itself (verify_least_squares.solve: its own block is zero), so the
             # products skip those blocks: 1 / L of the largest product's multiply-adds
-            by_target = torch.stack([torch.cat([rows[(j + k) % L, :, j * H : (j + 1) * H] for k in range(1, L)])
-                                     if L > 1 else rows.new_zeros(0, H) for j in range(L)])
+            by_target = torch.stack([rows[[(j + k) % L for k in range(1, L)], :, j * H : (j + 1) * H].reshape(-1, H)
+                                     for j in range(L)])
             cached = self._compute_cache[fold] = (weights, weights.to(self.compute_dtype),
                                                   (rows[:-1] - rows[1:]).to(self.compute_dtype),
                                                   by_target.to(self.compute_dtype))

@@ -34,7 +34,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launcher, layout, output_guard
+from pipeline import launcher, layout, output_guard, shards
 from pipeline.params import load_params
 
 pytestmark = [pytest.mark.slow, pytest.mark.container]
@@ -233,8 +233,7 @@ def runs(cpu_base: str, cpu_image: str) -> dict:
                                       capture_output=True, text=True).stdout.split():
                 subprocess.run(["docker", "kill", cid], capture_output=True)
     # kept shards: both files linked (the mirror's listing can race a rename and keep a manifest without its data)
-    after_kill = sorted(p.name for p in (docker / output_guard.partial_path(layout.HIDDEN_STATES_DIR)).glob("shard-*.json")
-                        if p.with_suffix(".safetensors").is_file())
+    after_kill = [shards.manifest_path(p).name for p in shards.complete_shards(docker / output_guard.partial_path(layout.HIDDEN_STATES_DIR))]
     resumed = run(docker, ["python", "-m", "dvc", "repro"])
     docker_wall = time.monotonic() - t0
     return {"native": native, "docker": docker, "killed_rc": killed.returncode, "killed_out": killed_out,

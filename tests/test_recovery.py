@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from pipeline import shards
 from tests.test_dvc_invalidation import TINY, merge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +134,7 @@ def test_killed_first_run_after_a_param_change_resumes(project: Path) -> None:
     kill_when(project, PARTIAL / "shard-00001.json", "repro", "extract")
     # a shard is kept when both its files are: the mirror's listing can race the stage's renames and link a
     # manifest without the data written just before it (that shard is then recomputed, not resumed)
-    kept = sum(p.with_suffix(".safetensors").is_file() for p in (project / PARTIAL).glob("shard-*.json"))
+    kept = len(shards.complete_shards(project / PARTIAL))
     out = retype(project, "repro", "extract")
     assert "Running stage 'extract'" in out, out[-3000:]
     m = extract_metrics(project)
