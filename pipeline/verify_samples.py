@@ -119,7 +119,7 @@ class Coherence:
         self.leak: torch.Tensor | None = None
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
-        self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences, by target); (fold, half) -> whitener
+        self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
         self._slots: queue.SimpleQueue = queue.SimpleQueue()  # CUDA streams (None on a CPU) for scoring threads
         self._threads_ready = False
 
@@ -197,25 +197,18 @@ class Coherence:
         else:
             self._slots.put(None)
 
-    def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The fold's predictors in the dtype the scoring matmul runs in (bf16 on a GPU: tensor cores; rounding
         adds ~1e-5 to a share of ~1e-1), [L - 1, H, (L + 1) H] W_i - W_{i+1}, the differences of adjacent
-        captured layers' input rows (the exchange test), and [L, (L - 1) H, H] each layer's predictor from the
-        other layers alone, their rows in the order `_score_batch`'s wrapped inputs hold them (layers j + 1 ..
-        j + L - 1, modulo L); made once per fit and fold, not per sample."""
+        captured layers' input rows (the exchange test); made once per fit and fold, not per sample."""
         weights = self.weights[fold]
         cached = self._compute_cache.get(fold)
         if cached is None or cached[0] is not weights:
             L, H = len(self.layer_ids), self.embedding.shape[1]
             rows = weights[: L * H].reshape(L, H, -1)
-            # a layer is not predicted from itself (verify_least_squares.solve: its own block is zero), so the
-            # products skip those blocks: 1 / L of the largest product's multiply-adds
-            by_target = torch.stack([rows[[(j + k) % L for k in range(1, L)], :, j * H : (j + 1) * H].reshape(-1, H)
-                                     for j in range(L)])
             cached = self._compute_cache[fold] = (weights, weights.to(self.compute_dtype),
-                                                  (rows[:-1] - rows[1:]).to(self.compute_dtype),
-                                                  by_target.to(self.compute_dtype))
-        return cached[1], cached[2], cached[3]
+                                                  (rows[:-1] - rows[1:]).to(self.compute_dtype))
+        return cached[1], cached[2]
 
     def _compute_whitener(self, fold: int, half: int) -> torch.Tensor:
         """The whitened test's basis [L, H, H]: each layer's eigenvectors with their weights folded into the columns,
@@ -389,14 +382,11 @@ class Coherence:
 
         flat = as_input(stored).flatten(1)
         token = as_input(self.embedding[tokens_at])
-        # [h_0 .. h_{L-1}, h_0 .. h_{L-2}]: layer j's other layers are the L - 1 blocks after its own, side by side
-        wrapped = torch.cat([flat, flat[:, : (L - 1) * H]], 1)
         from_layers = torch.empty(n, L * H, device=self.device, dtype=compute)
         from_token = torch.empty(n, (L + 1) * H, device=self.device)  # the layers' targets, then the first layer's
         for fold, (a, b) in fold_rows.items():
-            weights, _, by_target = self._compute_weights(fold)
-            for j in range(L):
-                torch.mm(wrapped[a:b, (j + 1) * H : (j + L) * H], by_target[j], out=from_layers[a:b, j * H : (j + 1) * H])
+            weights = self._compute_weights(fold)[0]
+            torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
         energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
         base = torch.sub(stored.flatten(1), from_token[:, : L * H], out=torch.empty(n, L * H, device=self.device))
