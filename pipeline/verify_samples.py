@@ -389,40 +389,45 @@ class Coherence:
             torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
         energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
+        # every share is one multiply-add, squared norm x scale + floor: the scale 1 / energy, the floor 0, and an
+        # all-zero row's scale 0 and floor ZERO_ROW_SHARE (each operation costs the scoring thread a return to the
+        # GIL the scan threads share); columns as `share`'s, the first layer's again at the end
+        extended = torch.cat([energy, energy[:, :1]], 1)
+        inverse, nonzero = extended.clamp_min(1e-30).reciprocal(), extended > 0
+        scale, floor = inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
         base = torch.sub(stored.flatten(1), from_token[:, : L * H], out=torch.empty(n, L * H, device=self.device))
         residual = torch.sub(base, from_layers).view(n, L, H)
         first = stored[:, 0]
-        share = _as_share(torch.cat([_squared_norm(residual), _squared_norm(first - from_token[:, L * H :])[:, None]], 1),
-                          torch.cat([energy, energy[:, :1]], 1))
+        share = torch.addcmul(floor, torch.cat([_squared_norm(residual), _squared_norm(first - from_token[:, L * H :])[:, None]], 1),
+                              scale)
         # the contrast: a row's state and token part against the next judged row's layers (a sample's last row: its
         # first row's), as shifted views and a fix-up of one row per sample, not a gather
         contrast = torch.empty(n, L * H, device=self.device)
         torch.sub(base[:-1], from_layers[1:], out=contrast[:-1])
         contrast[lasts] = base[lasts] - from_layers[firsts]
-        contrast = _as_share(_squared_norm(contrast.view(n, L, H)), energy)
+        contrast = torch.addcmul(floor[:, :L], _squared_norm(contrast.view(n, L, H)), scale[:, :L])
         e = as_input(self.embedding[neighbours])
         from_neighbours = torch.empty(2, n, H, device=self.device)  # the previous tokens' rows, then the next tokens'
         for fold, (a, b) in fold_rows.items():
             token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
             for k, at in enumerate((0, n)):
                 torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[k, a:b])
-        tokens = _squared_norm(first[None] - from_neighbours)
-        tokens = tokens.min(0).values / energy[:, 0].clamp_min(1e-30)
+        tokens = torch.amin(_squared_norm(first[None] - from_neighbours), 0) * inverse[:, 0]
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
         raw = share[:, :L]
-        geometric = [r.clamp_min(1e-30).log().mean(1, keepdim=True).exp() for r in (ratio[:, :L], raw)]  # all layers
+        # over all layers, of the ratios and of the shares: [n, 2]
+        geometric = torch.stack([ratio[:, :L], raw], 1).clamp_min(1e-30).log().mean(2).exp()
         # whitened residual of each layer: ||r (U diag(weights))||^2 / ||h||^2 (an all-zero row: ZERO_ROW_SHARE)
-        by_layer = residual.transpose(0, 1)  # [L, n, H]
-        white = torch.empty(n, L, device=self.device)
+        by_layer = as_input(residual).transpose(0, 1)  # [L, n, H]
+        projected = torch.empty(L, n, H, device=self.device, dtype=compute)
         for (fold, half), (a, b) in half_rows.items():
-            basis = self._compute_whitener(fold, half)
-            white[a:b] = _squared_norm(torch.bmm(by_layer[:, a:b].to(basis.dtype), basis)).T
-        white = _as_share(white, energy)
-        tests = torch.cat([ratio, geometric[0], raw, geometric[1], white], 1)
+            torch.bmm(by_layer[:, a:b], self._compute_whitener(fold, half), out=projected[:, a:b])
+        white = torch.addcmul(floor[:, :L], _squared_norm(projected).T, scale[:, :L])
+        tests = torch.cat([ratio, geometric[:, :1], raw, geometric[:, 1:], white], 1)
         exchange = torch.zeros(samples, max(L - 1, 0), device=self.device)
         if L > 1:  # the first EXCHANGE_POSITIONS judged positions of each sample, tried with adjacent layers exchanged
-            gain = self._exchange_gain(stored[tried], residual[tried], energy[tried], share[tried, :L], folds, kept)
+            gain = self._exchange_gain(stored[tried], residual[tried], inverse[tried], share[tried, :L], folds, kept)
             exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         finals = stored[final_rows, L - 1]  # before the host copy, which then waits for it too: another stream reads it
         # one host copy for the batch (tests and exchange together)
@@ -432,9 +437,10 @@ class Coherence:
                   for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
         return scores, finals
 
-    def _exchange_gain(self, held: torch.Tensor, residual: torch.Tensor, energy: torch.Tensor, share: torch.Tensor,
+    def _exchange_gain(self, held: torch.Tensor, residual: torch.Tensor, inverse: torch.Tensor, share: torch.Tensor,
                        folds: list, kept: np.ndarray) -> torch.Tensor:
-        """[k, L - 1] per tried row (states as stored, residuals, energies and shares [k, L]) and adjacent pair (i, i + 1):
+        """[k, L - 1] per tried row (states as stored, residuals, 1 / energies [k, >= L] and shares [k, L]) and adjacent
+        pair (i, i + 1):
         log(share as written / share with the two exchanged). Exchanged, layer j's prediction moves by
         (h_{i+1} - h_i) @ (W_i - W_{i+1}) (its j-th block), and layers i and i + 1 trade states, so the exchanged
         residual is the residual minus that correction, plus the step on layer i and minus it on layer i + 1; the
@@ -449,11 +455,12 @@ class Coherence:
             correction = torch.bmm(by_pair[:, a:b].to(differences.dtype), differences)
             torch.sub(residual[a:b].flatten(1)[None], correction, out=swapped[:, a:b])
         swapped = swapped.view(L - 1, k, L, H)
-        for i in range(L - 1):
-            swapped[i, :, i] += by_pair[i]
-            swapped[i, :, i + 1] -= by_pair[i]
-        exchanged_energy = energy[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L]
-        ratios = (_squared_norm(swapped) / exchanged_energy.clamp_min(1e-30)).sum(-1)
+        # pair i's step onto layer i and off layer i + 1: the diagonals (i, i) and (i, i + 1) of (pair, layer), [k, H, L - 1]
+        steps = by_pair.permute(1, 2, 0)
+        swapped.diagonal(0, 0, 2).add_(steps)
+        swapped.diagonal(1, 0, 2).sub_(steps)
+        exchanged_inverse = inverse[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L]
+        ratios = (_squared_norm(swapped) * exchanged_inverse).sum(-1)
         given = share.sum(1).clamp_min(1e-30).log()
         return (given - ratios.clamp_min(1e-30).log()).T
 
