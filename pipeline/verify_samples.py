@@ -119,7 +119,7 @@ class Coherence:
         self.leak: torch.Tensor | None = None
         self.fit_tokens = 0
         self.refit_excluded: list[int] = []  # samples left out of the second fit
-        self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences); (fold, half) -> whitener
+        self._compute_cache: dict = {}  # fold -> (weights, as scored, layer differences, constant row); (fold, half) -> whitener
         self._slots: queue.SimpleQueue = queue.SimpleQueue()  # CUDA streams (None on a CPU) for scoring threads
         self._threads_ready = False
 
@@ -197,18 +197,20 @@ class Coherence:
         else:
             self._slots.put(None)
 
-    def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _compute_weights(self, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fold's predictors in the dtype the scoring matmul runs in (bf16 on a GPU: tensor cores; rounding
         adds ~1e-5 to a share of ~1e-1), [L - 1, H, (L + 1) H] W_i - W_{i+1}, the differences of adjacent
-        captured layers' input rows (the exchange test); made once per fit and fold, not per sample."""
+        captured layers' input rows (the exchange test), and the constant row as scored, in fp32 (added to the
+        products' fp32 results); made once per fit and fold, not per sample."""
         weights = self.weights[fold]
         cached = self._compute_cache.get(fold)
         if cached is None or cached[0] is not weights:
             L, H = len(self.layer_ids), self.embedding.shape[1]
             rows = weights[: L * H].reshape(L, H, -1)
-            cached = self._compute_cache[fold] = (weights, weights.to(self.compute_dtype),
-                                                  (rows[:-1] - rows[1:]).to(self.compute_dtype))
-        return cached[1], cached[2]
+            as_scored = weights.to(self.compute_dtype)
+            cached = self._compute_cache[fold] = (weights, as_scored, (rows[:-1] - rows[1:]).to(self.compute_dtype),
+                                                  as_scored[L * H + H].float())
+        return cached[1], cached[2], cached[3]
 
     def _compute_whitener(self, fold: int, half: int) -> torch.Tensor:
         """The whitened test's basis [L, H, H]: each layer's eigenvectors with their weights folded into the columns,
@@ -385,9 +387,9 @@ class Coherence:
         from_layers = torch.empty(n, L * H, device=self.device, dtype=compute)
         from_token = torch.empty(n, (L + 1) * H, device=self.device)  # the layers' targets, then the first layer's
         for fold, (a, b) in fold_rows.items():
-            weights = self._compute_weights(fold)[0]
+            weights, _, constant = self._compute_weights(fold)
             torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
-            torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), weights[L * H + H].float(), out=from_token[a:b])
+            torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), constant, out=from_token[a:b])
         energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
         # every share is one multiply-add, squared norm x scale + floor: the scale 1 / energy, the floor 0, and an
         # all-zero row's scale 0 and floor ZERO_ROW_SHARE (each operation costs the scoring thread a return to the
@@ -406,12 +408,11 @@ class Coherence:
         torch.sub(base[:-1], from_layers[1:], out=contrast[:-1])
         contrast[lasts] = base[lasts] - from_layers[firsts]
         contrast = torch.addcmul(floor[:, :L], _squared_norm(contrast.view(n, L, H)), scale[:, :L])
-        e = as_input(self.embedding[neighbours])
-        from_neighbours = torch.empty(2, n, H, device=self.device)  # the previous tokens' rows, then the next tokens'
+        e = as_input(self.embedding[neighbours]).view(2, n, H)  # the previous tokens' rows, then the next tokens'
+        from_neighbours = torch.empty(2, n, H, device=self.device)
         for fold, (a, b) in fold_rows.items():
-            token_weights = self._compute_weights(fold)[0][L * H :, L * H :]
-            for k, at in enumerate((0, n)):
-                torch.add(torch.mm(e[at + a : at + b], token_weights[:H]), token_weights[H].float(), out=from_neighbours[k, a:b])
+            weights, _, constant = self._compute_weights(fold)
+            torch.add(torch.matmul(e[:, a:b], weights[L * H : L * H + H, L * H :]), constant[L * H :], out=from_neighbours[:, a:b])
         tokens = torch.amin(_squared_norm(first[None] - from_neighbours), 0) * inverse[:, 0]
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         ratio = share / contrast.clamp_min(1e-30)
@@ -450,9 +451,10 @@ class Coherence:
         by_pair = torch.diff(held.float(), dim=1).transpose(0, 1)  # [L - 1, k, H]: h_{i+1} - h_i
         tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
         swapped = torch.empty(L - 1, k, L * H, device=self.device)
+        steps_in = by_pair.to(self.compute_dtype)
         for fold, (a, b) in row_spans(folds, tried_at[:-1], tried_at[1:]).items():
             differences = self._compute_weights(fold)[1][:, :, : L * H]
-            correction = torch.bmm(by_pair[:, a:b].to(differences.dtype), differences)
+            correction = torch.bmm(steps_in[:, a:b], differences)
             torch.sub(residual[a:b].flatten(1)[None], correction, out=swapped[:, a:b])
         swapped = swapped.view(L - 1, k, L, H)
         # pair i's step onto layer i and off layer i + 1: the diagonals (i, i) and (i, i + 1) of (pair, layer), [k, H, L - 1]
