@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -73,6 +74,18 @@ class Traffic(TorchDispatchMode):
         return out
 
 
+class Calls(TorchFunctionMode):
+    """Python-level calls into torch (functions, methods, views, indexing), by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls[getattr(func, "__name__", str(func))] += 1
+        return func(*args, **(kwargs or {}))
+
+
 def size(t: torch.Tensor) -> int:
     return min(t.numel() * t.element_size(), t.untyped_storage().nbytes())
 
@@ -108,6 +121,9 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true", help="score with bf16 predictors, as on a GPU")
     ap.add_argument("--stored", choices=("F32", "BF16"), default="F32", help="the states' dtype in the shards")
     ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
+    ap.add_argument("--calls", action="store_true", help="count the Python calls into torch a shard's scoring makes (each "
+                    "gives up the GIL and takes it back: on a GPU host ~0.25 thread-ms each under the scan's 8 threads, "
+                    "docs/BENCHMARKS.md \"Verify's scan, session 24\")")
     ap.add_argument("--device", default="cpu", help="where the scoring runs (the samples stay on the host, as in shards)")
     ap.add_argument("--profile", action="store_true", help="the batch's kernels on the GPU (--device cuda)")
     ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads (its CPU operations: the rows' gather)")
@@ -193,6 +209,12 @@ def main() -> None:
                 done()
             print(prof.key_averages().table(sort_by="self_device_time_total" if device.type == "cuda" else "self_cpu_time_total",
                                             row_limit=40, max_name_column_width=60))
+        if a.calls:
+            calls = Calls()
+            with calls:
+                coherence.score_samples(items)
+            print(f"{label}: {sum(calls.calls.values())} calls into torch for one shard's scoring: "
+                  + ", ".join(f"{name} {count}" for name, count in calls.calls.most_common()))
         if a.traffic:
             traffic, rows, scored = Traffic(), [], coherence._score_batch
 
