@@ -153,9 +153,6 @@ DEFAULT_WORKERS = 4
 # 1.167-1.173 s against 1.300-1.337 s from 4 threads at four each (session 22), where 8 at two each had not been
 # clearly faster than 4 at four (session 21)
 DEFAULT_GPU_WORKERS = 8
-# shards a scan thread checks together: their samples scored in one call (two shards of 512-token samples fill one
-# batch), each call into torch costing a scan thread its turn at the GIL (docs/BENCHMARKS.md "Verify's scan, session 24")
-SHARDS_TOGETHER = 2
 # the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
 # row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
 # (8B shape) on a contended host 1 ms took the scan 1.98-2.19 -> 1.57 s; on a fast one it changed nothing, and 0.5 ms was
@@ -210,12 +207,9 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
     torch.set_num_threads(intra_op_threads(threads, intra_op))
     try:
         full_reads = {i: readers.submit(read_in_full, files[i], files[i].stem in ctx.audit) for i in read_fully}
-        work = [order[k : k + SHARDS_TOGETHER] for k in range(0, len(order), SHARDS_TOGETHER)]
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="verify") as pool:
-            done = pool.map(lambda group: zip(group, scan_together([files[i] for i in group], ctx,
-                                                                   [full_reads.get(i) for i in group]), strict=True), work)
-            for i, scan in progress((pair for group in done for pair in group), total=len(files), desc="verify shards",
-                                    unit="shard"):
+            done = pool.map(lambda i: (i, scan_shard(files[i], ctx, full_reads.get(i))), order)
+            for i, scan in progress(done, total=len(files), desc="verify shards", unit="shard"):
                 scans[i] = scan
     finally:
         readers.shutdown(cancel_futures=True)
@@ -226,52 +220,22 @@ def scan_shards(files: list[Path], ctx: ScanContext, workers: int) -> list[Shard
 
 def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) -> ShardScan:
     """One shard's checks; `full_read`: its `read_in_full`, started earlier (else read here if it is to be)."""
-    return scan_together([path], ctx, [full_read])[0]
-
-
-def scan_together(paths: list[Path], ctx: ScanContext, full_reads: list[Future | None]) -> list[ShardScan]:
-    """Shards checked by one scan thread: each one's structure and sample checks, then all their samples scored in one
-    call and check 4's final states through lm_head in one pass (two shards of short samples fill one scoring batch:
-    half the calls into torch, each of which costs a scan thread its turn at the GIL on a GPU host). Shards that
-    share a sample id (a fault the stage names) are scored apart, so that neither copy's scores stand for the other's."""
-    scans, passes = [], []
-    for path, full_read in zip(paths, full_reads, strict=True):
-        scan, opened = open_shard(path, ctx, full_read)
-        scans.append(scan)
-        if opened is not None:
-            passes.append(check_samples(scan, *opened, ctx))
-    groups: list[list[SamplePass]] = []
-    for sample_pass in passes:
-        if groups and all(sample_pass.ids.isdisjoint(other.ids) for other in groups[-1]):
-            groups[-1].append(sample_pass)
-        else:
-            groups.append([sample_pass])
-    for group in groups:
-        score_and_predict(group, ctx)
-    for sample_pass in passes:
-        sample_pass.finish()
-    return scans
-
-
-def open_shard(path: Path, ctx: ScanContext, full_read: Future | None) -> tuple[ShardScan, tuple | None]:
-    """A shard's manifest, size, hash (when read in full) and header checked; its view and what `check_samples` reads
-    of it, or None where a structural fault ends its checks."""
     scan = ShardScan(name=path.stem, path=path)
     if not manifest_path(path).is_file():
         scan.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume")
-        return scan, None
+        return scan
     t = time.perf_counter()
     manifest = read_manifest(path)
     scan.timed("manifest", t)
     if manifest.get("format") != FORMAT_NAME:
         scan.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
-        return scan, None
+        return scan
     if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(ctx.layer_ids):
         scan.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {ctx.layer_ids}")
     size = path.stat().st_size
     if size != manifest["bytes"]:
         scan.fail("structure", f"file is {size} bytes, its manifest says {manifest['bytes']}: truncated or corrupt")
-        return scan, None
+        return scan
     records = (manifest.get("layer_stats") or {}).get("samples")
     scan.audited = path.stem in ctx.audit or records is None
     full = None
@@ -288,7 +252,7 @@ def open_shard(path: Path, ctx: ScanContext, full_read: Future | None) -> tuple[
             scan.seconds[key] = scan.seconds.get(key, 0.0) + seconds
         if full.digest != manifest["sha256"]:
             scan.fail("structure", "file content does not match its manifest sha256: corrupt, or changed after extraction")
-            return scan, None
+            return scan
         scan.hashed = True
     scan.bytes = size
     sample_ids = list(manifest["sample_ids"])
@@ -297,7 +261,7 @@ def open_shard(path: Path, ctx: ScanContext, full_read: Future | None) -> tuple[
         header, data_start = read_header(path)
     except (ValueError, KeyError, TypeError) as e:
         scan.fail("structure", f"unreadable safetensors file: {e}")
-        return scan, None
+        return scan
     scan.timed("header", t)
     keys = set(header)
     expected_keys = {f"{sid}/{k}" for sid in sample_ids for k in ("hidden_states", "input_ids", "loss_mask")}
@@ -308,57 +272,23 @@ def open_shard(path: Path, ctx: ScanContext, full_read: Future | None) -> tuple[
             f"key set differs from manifest: {len(keys)} tensors, expected {len(expected_keys)} "
             f"(3 per sample); unexpected {extra[:5]}, missing {missing[:5]}",
         )
-        return scan, None
+        return scan
     if unknown := sorted({e["dtype"] for e in header.values()} - set(_NUMPY_VIEW)):
         scan.fail("structure", f"tensors of dtype {unknown}: not one this format uses")
-        return scan, None
+        return scan
     scan.read_ok = True
     # pages are read only where a view is used; a plain ndarray of the map (its slices are not np.memmap objects, each
     # made through Python-level hooks)
     data = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
-    return scan, (ShardView(data, header, data_start), sample_ids, records or {}, full.stats if full is not None else {})
+    shard = ShardView(data, header, data_start)
+    scan_samples(scan, shard, sample_ids, records or {}, ctx, full.stats if full is not None else {})
+    return scan
 
 
-@dataclass
-class SamplePass:
-    """A shard's sample checks done (`check_samples`), its scoring and check 4 to come (`score_and_predict`, for one
-    or more shards at once), then its totals (`finish`)."""
-
-    scan: ShardScan
-    shard: ShardView
-    ids: set[int]  # the shard's sample ids
-    sums: np.ndarray  # per layer: sum, sum of squares, abs max, count
-    to_score: list  # (id, hidden states, dtype, ids) of the samples the per-sample tests score
-    chosen: list  # (tensor name, positions, ids): check 4's final states, per sample
-    sample_of: dict[str, int]  # tensor name -> sample id
-    layer_ids: list[int]
-    predicted: list = field(default_factory=list)  # check 4's argmax tokens, in `chosen` order
-
-    def finish(self) -> None:
-        """Check 4's hits and the shard's per-layer statistics."""
-        scan, sums = self.scan, self.sums
-        if self.chosen:
-            targets = torch.from_numpy(np.concatenate([ids[positions + 1] for _, positions, ids in self.chosen]))
-            scan.hits, scan.counted = int((torch.cat(self.predicted) == targets.long()).sum()), int(targets.numel())
-        count = np.maximum(sums[:, 3], 1)
-        mean = sums[:, 0] / count
-        rms = np.sqrt(sums[:, 1] / count)
-        scan.stats = {
-            str(lid): {
-                "mean": float(mean[i]),
-                "std": float(np.sqrt(max(rms[i] ** 2 - mean[i] ** 2, 0.0))),
-                "abs_max": float(sums[i, 2]),
-                "rms": float(rms[i]),
-            }
-            for i, lid in enumerate(self.layer_ids)
-        }
-
-
-def check_samples(
-    scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, derived: dict[int, np.ndarray], ctx: ScanContext
-) -> SamplePass:
-    """Each sample's structure and recorded values, and what its scoring and check 4 will take. `derived`: the audited
-    shard's statistics from the bytes (`read_in_full`), judged against the records."""
+def scan_samples(
+    scan: ShardScan, shard: ShardView, sample_ids: list[int], records: dict, ctx: ScanContext, derived: dict[int, np.ndarray]
+) -> None:
+    """`derived`: the audited shard's statistics from the bytes (`read_in_full`), judged against the records."""
     num_layers = len(ctx.layer_ids)
     sums = np.zeros((num_layers, 4))  # sum, sum of squares, abs max, count
     masked: list[tuple[str, np.ndarray, np.ndarray]] = []  # (tensor name, check 4's candidate positions, ids) per sample
@@ -431,42 +361,40 @@ def check_samples(
     # the per-sample checks (ids, masks, shapes, records) without the audit's reading
     scan.seconds["sample_checks"] = time.perf_counter() - loop_started
     chosen = sample_final_positions(masked, ctx.final_state_positions, ctx.seed, scan.name)
-    return SamplePass(scan, shard, in_shard, sums, to_score, chosen, sample_of, ctx.layer_ids)
-
-
-def score_and_predict(passes: list[SamplePass], ctx: ScanContext) -> None:
-    """The shards' samples scored in one call, and check 4's final states through lm_head: taken from the scoring's rows
-    in one pass, or read from each shard. Their time is the first shard's (the scan reports it summed)."""
-    scan = passes[0].scan
-    from_scoring = ctx.coherence is not None and ctx.final_state_positions is not None
-    to_score = [item for p in passes for item in p.to_score]
+    predicted = []
     with ctx.staging.buffer() as staging:
         if to_score:
             t = time.perf_counter()
-            wanted = {p.sample_of[name]: positions for p in passes for name, positions, _ in p.chosen} if from_scoring else {}
+            wanted = {sample_of[name]: positions for name, positions, _ in chosen} if from_scoring else {}
             scores, final_states = ctx.coherence.score_keeping_final_states(to_score, wanted, scan.timed, staging)
-            at = 0
-            for p in passes:
-                p.scan.sample_scores.extend(scores[at : at + len(p.to_score)])
-                at += len(p.to_score)
+            scan.sample_scores.extend(scores)
             t = scan.timed("sample_coherence", t)
             if final_states:
-                states = [final_states[p.sample_of[name]] for p in passes for name, _, _ in p.chosen]
-                predicted = ctx.final_head.argmax(torch.cat(states), scan.timed)
-                at = 0
-                for p in passes:
-                    count = sum(len(positions) for _, positions, _ in p.chosen)
-                    p.predicted.append(predicted[at : at + count])
-                    at += count
+                predicted.append(ctx.final_head.argmax(torch.cat([final_states[sample_of[name]] for name, _, _ in chosen]),
+                                                       scan.timed))
                 scan.timed("final_lm_head", t)
         if not from_scoring:  # through lm_head in pieces the staging buffer holds
-            for p in passes:
-                for piece in split_positions(p.chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
-                    t = time.perf_counter()
-                    states = read_final_rows(p.shard, piece, len(ctx.layer_ids) - 1, ctx.hidden_size, staging)
-                    t = p.scan.timed("read_final_rows", t)
-                    p.predicted.append(ctx.final_head.argmax(states, p.scan.timed))
-                    p.scan.timed("final_lm_head", t)
+            for piece in split_positions(chosen, staging.rows.numel() // (ctx.hidden_size * ctx.dtype.itemsize)):
+                t = time.perf_counter()
+                states = read_final_rows(shard, piece, num_layers - 1, ctx.hidden_size, staging)
+                t = scan.timed("read_final_rows", t)
+                predicted.append(ctx.final_head.argmax(states, scan.timed))
+                scan.timed("final_lm_head", t)
+    if chosen:
+        targets = torch.from_numpy(np.concatenate([ids[positions + 1] for _, positions, ids in chosen]))
+        scan.hits, scan.counted = int((torch.cat(predicted) == targets.long()).sum()), int(targets.numel())
+    count = np.maximum(sums[:, 3], 1)
+    mean = sums[:, 0] / count
+    rms = np.sqrt(sums[:, 1] / count)
+    scan.stats = {
+        str(lid): {
+            "mean": float(mean[i]),
+            "std": float(np.sqrt(max(rms[i] ** 2 - mean[i] ** 2, 0.0))),
+            "abs_max": float(sums[i, 2]),
+            "rms": float(rms[i]),
+        }
+        for i, lid in enumerate(ctx.layer_ids)
+    }
 
 
 def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:
