@@ -245,8 +245,8 @@ class Coherence:
         pred = pred.reshape(-1, L + 1, H)
         target = torch.cat([h, h[:, :1]], 1)
         energy = h.pow(2).sum(-1)
-        energy = torch.cat([energy, energy[:, :1]], 1)
-        return _as_share((target - pred).pow(2).sum(-1), energy)
+        _, scale, floor = _share_scale(torch.cat([energy, energy[:, :1]], 1))
+        return torch.addcmul(floor, (target - pred).pow(2).sum(-1), scale)
 
     def score(self, sid: int, hidden: np.ndarray, dtype: str, ids: torch.Tensor) -> SampleScores:
         """One sample's scores (as `score_samples` gives them)."""
@@ -391,12 +391,8 @@ class Coherence:
             torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), constant, out=from_token[a:b])
         energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
-        # every share is one multiply-add, squared norm x scale + floor: the scale 1 / energy, the floor 0, and an
-        # all-zero row's scale 0 and floor ZERO_ROW_SHARE (each operation costs the scoring thread a return to the
-        # GIL the scan threads share); columns as `share`'s, the first layer's again at the end
-        extended = torch.cat([energy, energy[:, :1]], 1)
-        inverse, nonzero = extended.clamp_min(1e-30).reciprocal(), extended > 0
-        scale, floor = inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
+        # every share one multiply-add; columns as `share`'s, the first layer's again at the end
+        inverse, scale, floor = _share_scale(torch.cat([energy, energy[:, :1]], 1))
         base = torch.sub(stored.flatten(1), from_token[:, : L * H], out=torch.empty(n, L * H, device=self.device))
         residual = torch.sub(base, from_layers).view(n, L, H)
         first = stored[:, 0]
@@ -473,9 +469,12 @@ def _squared_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()
 
 
-def _as_share(squared: torch.Tensor, energy: torch.Tensor) -> torch.Tensor:
-    """Squared residual norms as shares of the states' energy; an all-zero state (energy 0): ZERO_ROW_SHARE."""
-    return torch.where(energy > 0, squared / energy.clamp_min(1e-30), torch.full_like(squared, ZERO_ROW_SHARE))
+def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """How squared residual norms become shares of the states' energy, in one multiply-add (squared x scale + floor):
+    1 / energy, the scale (1 / energy; 0 for an all-zero state) and the floor (0; ZERO_ROW_SHARE for an all-zero
+    state). Made once a batch: each operation costs a scoring thread a return to the GIL the scan threads share."""
+    inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
+    return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
 
 
 def row_spans(keys: list, starts, ends) -> dict:
