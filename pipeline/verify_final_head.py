@@ -1,5 +1,6 @@
 """The final-state check's head: argmax(lm_head(norm(h_N))) of a shard's chosen final-layer states, on the GPU
-when there is one (verify's scan, pipeline/verify_scan.py, calls it from its threads)."""
+when there is one (verify's scan, pipeline/verify_scan.py, calls it from its threads); which masked positions are
+chosen, and their chunks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import queue
 import time
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from pipeline.reference import FinalHeadModel, ReferenceModel
@@ -86,3 +88,38 @@ class FinalHead:
         states = chunk.to(self.reference.device, non_blocking=True).to(self.reference.dtype)
         normed = self.reference.final_norm(states)
         return torch.mm(normed.to(torch.bfloat16), self.weight.t(), out_dtype=torch.float32)
+
+
+def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:
+    """The masked positions whose final state goes through lm_head: all of them, or a seeded
+    sample of `limit` across the shard (`verify.final_state_positions_per_shard`) of the candidates (with the per-sample
+    tests on, the masked positions they judge)."""
+    total = sum(len(p) for _, p, _ in masked)
+    if limit is None or total <= limit:
+        return masked
+    rng = np.random.default_rng([seed, int.from_bytes(shard_name.encode()[-8:], "little")])
+    keep = np.zeros(total, dtype=bool)
+    keep[rng.choice(total, size=limit, replace=False)] = True
+    out, start = [], 0
+    for name, positions, ids in masked:
+        chosen = positions[keep[start : start + len(positions)]]
+        start += len(positions)
+        if len(chosen):
+            out.append((name, chosen, ids))
+    return out
+
+
+def split_positions(chosen: list, size: int) -> list[list]:
+    """(name, positions, ids) items cut into pieces of at most `size` positions, in order."""
+    pieces, piece, room = [], [], size
+    for name, positions, ids in chosen:
+        while len(positions):
+            taken, positions = positions[:room], positions[room:]
+            piece.append((name, taken, ids))
+            room -= len(taken)
+            if room == 0:
+                pieces.append(piece)
+                piece, room = [], size
+    if piece:
+        pieces.append(piece)
+    return pieces

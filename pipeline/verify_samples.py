@@ -28,9 +28,7 @@ request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: wh
 from __future__ import annotations
 
 import contextlib
-import functools
 import queue
-import random
 import time
 import warnings
 from collections.abc import Callable
@@ -41,53 +39,16 @@ import torch
 
 from pipeline.host_staging import StagingBuffer, new_buffer
 from pipeline.verify_least_squares import FoldFit, fit_folds
+from pipeline.verify_sample_positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_choice
 
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
-BATCH_ROWS = 4096  # judged rows scored in one batch at most (at the 8B shape ~0.35 GB of predictions on the device)
 INDICES_PER_ROW = 8  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
 WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
 # wait for that batch's work only, not for every thread's work queued on the one default stream
 SCORING_SLOTS = 4
-
-
-def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
-    """Every `stride`-th position from a seeded offset, position 0 left out."""
-    return np.arange(1 + sample_offset(stride, seed, sid), length, stride)
-
-
-@functools.lru_cache(maxsize=8192)
-def sample_offset(stride: int, seed: int, sid: int) -> int:
-    """A sample's seeded offset (kept: a seeded Random costs ~30 us under the GIL, and the scan asks twice a sample)."""
-    return random.Random(f"{seed}/{sid}").randrange(stride)
-
-
-def judged_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
-    """The positions the per-sample tests judge: `sample_positions`, or none where there are fewer than two (a judged
-    position is contrasted with another of its sample)."""
-    positions = sample_positions(length, stride, seed, sid)
-    return positions if len(positions) >= 2 else positions[:0]
-
-
-def batch_capacity(longest: int, stride: int) -> int:
-    """Judged rows a scoring batch holds at most: BATCH_ROWS, or a longer sample's (a sample is never split)."""
-    return max(BATCH_ROWS, -(-(longest - 1) // stride))
-
-
-def batches(items: list, limit: int):
-    """Consecutive items (their judged positions at [3]) in batches of at most `limit` judged rows; an item over
-    `limit` alone."""
-    batch, rows = [], 0
-    for item in items:
-        if batch and rows + len(item[3]) > limit:
-            yield batch
-            batch, rows = [], 0
-        batch.append(item)
-        rows += len(item[3])
-    if batch:
-        yield batch
 
 
 @dataclass
@@ -141,13 +102,13 @@ class Coherence:
         """Samples fall into two seeded folds; a sample is scored by the predictors fitted on the
         other fold (cross-fitting: fitted on itself, a linear map of (L+1)H inputs absorbs much of
         a whole-sample fault, e.g. two layers exchanged)."""
-        return random.Random(f"fold/{self.seed}/{sid}").randrange(2)
+        return seeded_choice("fold", self.seed, sid)
 
     def half(self, sid: int) -> int:
         """Each fold falls into two seeded halves: a sample's whitened test uses the residual covariance of its fold's
         other half. Out of sample for every sample alike: a covariance estimated on a sample itself fits its residual's
         smallest directions (a sample left out of the fit scored 3.7x higher whitened than those in it, tiny Llama)."""
-        return random.Random(f"half/{self.seed}/{sid}").randrange(2)
+        return seeded_choice("half", self.seed, sid)
 
     def fit(self, chunks) -> None:
         """Least squares on (fold, sample, inputs) chunks, one per fold (pipeline/verify_least_squares.py); then once
@@ -475,14 +436,6 @@ def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     state). Made once a batch: each operation costs a scoring thread a return to the GIL the scan threads share."""
     inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
     return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
-
-
-def row_spans(keys: list, starts, ends) -> dict:
-    """Per key, the rows [first start, last end) of the items with it (contiguous: the items are sorted by key)."""
-    spans: dict = {}
-    for key, start, end in zip(keys, starts, ends, strict=True):
-        spans[key] = (spans.get(key, (int(start),))[0], int(end))
-    return spans
 
 
 def tests_per_position(layers: int) -> int:

@@ -39,8 +39,9 @@ from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.verify_audit import read_in_full
-from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead
-from pipeline.verify_samples import INDICES_PER_ROW, batch_capacity, judged_positions
+from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
+from pipeline.verify_sample_positions import batch_capacity, judged_positions
+from pipeline.verify_samples import INDICES_PER_ROW
 from pipeline.verify_values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know
@@ -395,41 +396,6 @@ def scan_samples(
         }
         for i, lid in enumerate(ctx.layer_ids)
     }
-
-
-def sample_final_positions(masked: list, limit: int | None, seed: int, shard_name: str) -> list:
-    """The masked positions whose final state goes through lm_head: all of them, or a seeded
-    sample of `limit` across the shard (`verify.final_state_positions_per_shard`) of the candidates (with the per-sample
-    tests on, the masked positions they judge)."""
-    total = sum(len(p) for _, p, _ in masked)
-    if limit is None or total <= limit:
-        return masked
-    rng = np.random.default_rng([seed, int.from_bytes(shard_name.encode()[-8:], "little")])
-    keep = np.zeros(total, dtype=bool)
-    keep[rng.choice(total, size=limit, replace=False)] = True
-    out, start = [], 0
-    for name, positions, ids in masked:
-        chosen = positions[keep[start : start + len(positions)]]
-        start += len(positions)
-        if len(chosen):
-            out.append((name, chosen, ids))
-    return out
-
-
-def split_positions(chosen: list, size: int) -> list[list]:
-    """(name, positions, ids) items cut into pieces of at most `size` positions, in order."""
-    pieces, piece, room = [], [], size
-    for name, positions, ids in chosen:
-        while len(positions):
-            taken, positions = positions[:room], positions[room:]
-            piece.append((name, taken, ids))
-            room -= len(taken)
-            if room == 0:
-                pieces.append(piece)
-                piece, room = [], size
-    if piece:
-        pieces.append(piece)
-    return pieces
 
 
 def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:

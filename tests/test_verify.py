@@ -418,7 +418,8 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
     import numpy as np
 
     from pipeline.verify_fit import load_embedding
-    from pipeline.verify_samples import Coherence, judged_positions
+    from pipeline.verify_sample_positions import judged_positions
+    from pipeline.verify_samples import Coherence
 
     target = load_target(project / layout.TARGET_JSON)
     layer_ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
@@ -454,7 +455,7 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
 
 
 def test_final_positions_split_into_pieces_a_staging_buffer_holds():
-    from pipeline.verify_scan import split_positions
+    from pipeline.verify_final_head import split_positions
 
     chosen = [("a", torch.arange(5), "ids a"), ("b", torch.arange(10, 13), "ids b"), ("c", torch.tensor([7]), "ids c")]
     pieces = split_positions(chosen, 4)
@@ -469,7 +470,7 @@ def test_final_positions_split_into_pieces_a_staging_buffer_holds():
 
 
 def test_scoring_batches_never_exceed_their_rows_unless_one_sample_does():
-    from pipeline.verify_samples import batch_capacity, batches
+    from pipeline.verify_sample_positions import batch_capacity, batches
 
     items = [(i, None, None, range(n)) for i, n in enumerate([3, 2, 4, 9, 1, 1])]
     got = [[item[0] for item in batch] for batch in batches(items, 5)]
