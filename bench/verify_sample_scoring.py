@@ -122,8 +122,8 @@ def main() -> None:
     ap.add_argument("--stored", choices=("F32", "BF16"), default="F32", help="the states' dtype in the shards")
     ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
     ap.add_argument("--calls", action="store_true", help="count the Python calls into torch a shard's scoring makes (each "
-                    "gives up the GIL and takes it back: on a GPU host ~0.25 thread-ms each under the scan's 8 threads, "
-                    "docs/BENCHMARKS.md \"Verify's scan, session 24\")")
+                    "cost a scan thread ~0.25 ms on a GPU host under the scan's 8 threads, mostly outside the GIL: "
+                    "docs/BENCHMARKS.md \"Verify's scan\", sessions 24-25)")
     ap.add_argument("--device", default="cpu", help="where the scoring runs (the samples stay on the host, as in shards)")
     ap.add_argument("--profile", action="store_true", help="the batch's kernels on the GPU (--device cuda)")
     ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads (its CPU operations: the rows' gather)")

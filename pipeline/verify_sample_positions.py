@@ -17,10 +17,9 @@ def sample_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarra
     return np.arange(1 + sample_offset(stride, seed, sid), length, stride)
 
 
-@functools.lru_cache(maxsize=8192)
 def sample_offset(stride: int, seed: int, sid: int) -> int:
-    """A sample's seeded offset (kept: a seeded Random costs ~30 us under the GIL, and the scan asks twice a sample)."""
-    return random.Random(f"{seed}/{sid}").randrange(stride)
+    """A sample's seeded offset."""
+    return seeded_draw(f"{seed}/{sid}", stride)
 
 
 def judged_positions(length: int, stride: int, seed: int, sid: int) -> np.ndarray:
@@ -50,10 +49,10 @@ def batches(items: list, limit: int):
 
 
 @functools.lru_cache(maxsize=16384)
-def seeded_choice(kind: str, seed: int, sid: int) -> int:
-    """A sample's seeded fold or half (`kind`): 0 or 1 (kept: a seeded Random costs ~30 us under the GIL, and the
-    scan asks once a sample and batch)."""
-    return random.Random(f"{kind}/{seed}/{sid}").randrange(2)
+def seeded_draw(key: str, n: int) -> int:
+    """`random.Random(key).randrange(n)`: a sample's offset, fold or half (kept: a seeded Random costs a scan thread
+    ~30 us, and the scan asks for each more than once a sample)."""
+    return random.Random(key).randrange(n)
 
 
 def row_spans(keys: list, starts, ends) -> dict:

@@ -39,7 +39,7 @@ import torch
 
 from pipeline.host_staging import StagingBuffer, new_buffer
 from pipeline.verify_least_squares import FoldFit, fit_folds
-from pipeline.verify_sample_positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_choice
+from pipeline.verify_sample_positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
 
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
@@ -102,13 +102,13 @@ class Coherence:
         """Samples fall into two seeded folds; a sample is scored by the predictors fitted on the
         other fold (cross-fitting: fitted on itself, a linear map of (L+1)H inputs absorbs much of
         a whole-sample fault, e.g. two layers exchanged)."""
-        return seeded_choice("fold", self.seed, sid)
+        return seeded_draw(f"fold/{self.seed}/{sid}", 2)
 
     def half(self, sid: int) -> int:
         """Each fold falls into two seeded halves: a sample's whitened test uses the residual covariance of its fold's
         other half. Out of sample for every sample alike: a covariance estimated on a sample itself fits its residual's
         smallest directions (a sample left out of the fit scored 3.7x higher whitened than those in it, tiny Llama)."""
-        return seeded_choice("half", self.seed, sid)
+        return seeded_draw(f"half/{self.seed}/{sid}", 2)
 
     def fit(self, chunks) -> None:
         """Least squares on (fold, sample, inputs) chunks, one per fold (pipeline/verify_least_squares.py); then once
@@ -433,7 +433,8 @@ def _squared_norm(x: torch.Tensor) -> torch.Tensor:
 def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """How squared residual norms become shares of the states' energy, in one multiply-add (squared x scale + floor):
     1 / energy, the scale (1 / energy; 0 for an all-zero state) and the floor (0; ZERO_ROW_SHARE for an all-zero
-    state). Made once a batch: each operation costs a scoring thread a return to the GIL the scan threads share."""
+    state). Made once a batch: each call into torch costs a scoring thread ~0.25 ms waiting its turn on the host the
+    scan's threads share, mostly outside the GIL (docs/BENCHMARKS.md "Verify's scan", sessions 24-25)."""
     inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
     return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
 
