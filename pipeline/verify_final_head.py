@@ -62,8 +62,15 @@ class FinalHead:
         """argmax over the vocabulary for final (pre-norm) states [P, H] (on the host, or already on the head's device:
         the rows the per-sample scoring uploaded), on the CPU. `timed` (e.g. `ShardScan.timed`) is told where the time
         went: head_pin, head_slot_wait, head_compute."""
+        return self.predict(final_states, None, timed)[0]
+
+    @torch.inference_mode()
+    def predict(self, final_states: torch.Tensor, tokens: torch.Tensor | None,
+                timed: Callable[[str, float], float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`argmax`, and where `tokens` [P, K] (token ids per state) is given, the log-probabilities [P, K] the head gives
+        those tokens (fp32, on the CPU): the per-sample next-token test's evidence (verify_sample_next_token.py)."""
         lap = timed or (lambda _key, _since: time.perf_counter())
-        out = []
+        out, chosen = [], []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):
             t = time.perf_counter()
             chunk = final_states[i : i + FINAL_CHUNK_POSITIONS]
@@ -76,11 +83,20 @@ class FinalHead:
                 stream.wait_stream(torch.cuda.current_stream(chunk.device))
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                    out.append(self._logits(chunk).argmax(-1).cpu())  # .cpu() waits for this stream only
+                    logits = self._logits(chunk)
+                    best = logits.argmax(-1)
+                    if tokens is None:
+                        out.append(best.cpu())  # .cpu() waits for this stream only
+                    else:
+                        wanted = tokens[i : i + FINAL_CHUNK_POSITIONS].to(logits.device, non_blocking=True)
+                        picked = logits.gather(1, wanted) - torch.logsumexp(logits, -1, keepdim=True)
+                        both = torch.cat([best[:, None].float(), picked], 1).cpu()  # one host copy
+                        out.append(both[:, 0].long())
+                        chosen.append(both[:, 1:])
             finally:
                 self._slots.put(stream)
                 lap("head_compute", t)
-        return torch.cat(out)
+        return torch.cat(out), (torch.cat(chosen) if tokens is not None else None)
 
     def _logits(self, chunk: torch.Tensor) -> torch.Tensor:
         if self.weight is None:

@@ -221,4 +221,19 @@ def render_sample_tests(t: dict | None) -> list[str]:
         out.append(f"| {name} | {med:.3g} | {sig:.3g} | {mz:.1f} | {pt:.1f} | {wz:.1f} | {wt:.1f} |")
     out += ["", f"Predictors fitted on {t['fit_tokens']} token rows. Exchange test: the best gain of any sample from an "
             f"exchange is {t.get('exchange_max_gain_log', float('nan')):.3g} (log; > 0 fails).", ""]
+    identity = t.get("token_identity")
+    if identity:
+        whole = (f"; each whole sample's sum against the other samples': highest z {identity['max_whole_sample_z']:.1f}, "
+                 f"threshold {identity['whole_sample_z_threshold']:.1f}" if identity.get("max_whole_sample_z") is not None else "")
+        out += [
+            "The *token-identity* test asks whether each judged position's states belong to this sample's tokens, from "
+            "both ends of the captured stack: the token test's ratio (the first layer against E[id] and its "
+            "neighbours') and, where the next token is one the target answers with, the next-token contrast (the final "
+            "layer through the target's own lm_head: log p(the current or the after-next token) - log p(the next)), "
+            "each ranked among the run's positions as a normal score and summed. Every run of "
+            f"{identity['window_positions']} positions is judged by the sum of its scores over the root of their "
+            f"number against the run's: highest z {identity['max_window_z']:.1f}, threshold "
+            f"{identity['window_z_threshold']:.1f}{whole}.",
+            "",
+        ]
     return out

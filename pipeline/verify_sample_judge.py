@@ -35,6 +35,11 @@ EXCHANGE_MIN_GAIN = 1.5
 # The whitened tests judge them against the run's own positions of the same range (bucket edges below)
 EARLY_POSITION_EDGES = (4, 8, 12, 16)
 EARLY_MIN_ROWS = 8  # a bucket with fewer judged rows in the run is left as it is
+# The token-identity test's windows are this many of the other tests' windows long (64 positions at the defaults): its
+# evidence per position is a rank (token_identity), at most ~4.3 normal units in a run of 60k judged positions, so the
+# other tests' windows of 3-4 judged positions cannot clear the Bonferroni threshold with it; rows shifted over 48
+# positions fill 12 of a long window's 16
+IDENTITY_WINDOW_FACTOR = 3
 
 
 def centre_early_positions(scores: list[SampleScores], columns: slice) -> list[SampleScores]:
@@ -69,6 +74,49 @@ def window_scores(shares: torch.Tensor, window: int) -> torch.Tensor:
     if w >= 3:
         logs = logs.sort(-1).values[..., :-1]
     return logs.mean(-1).T
+
+
+def ranked_normal(values: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per sample [P]: its values as normal scores of their rank among every value of the run, Phi^-1((rank + 1/2) / N)."""
+    every = torch.cat([v.double() for v in values])
+    ranks = torch.empty_like(every)
+    ranks[every.argsort(stable=True)] = torch.arange(every.numel(), dtype=every.dtype)
+    return list(torch.special.ndtri((ranks + 0.5) / every.numel()).split([v.numel() for v in values]))
+
+
+def token_identity(scores: list[SampleScores], layers: int) -> list[torch.Tensor]:
+    """Per sample [P]: does each judged position's state belong to this sample's tokens, from both ends of the captured
+    stack: the token test's ratio (the first layer against E[id] and its neighbours') and the next-token test's contrast
+    (the final layer through lm_head: verify_sample_next_token.py), each as its normal score ranked over the run, summed
+    and divided by sqrt(2). Ranked, because neither has a clean law that robust sigmas describe: the contrast is skewed
+    and heavy-tailed (a user's new question after an answer: a trained target confidently predicts another
+    continuation), and on the tiny DeepSeek-V3 the token ratio's clean tail lifted its threshold to 10.4 robust sigmas.
+    Each position's score is then centred on the run's median at positions of its range [2^k, 2^(k+1)) (less context,
+    less predictable: as `whole_sample_means` does)."""
+    token = ranked_normal([s.shares[:, layers].double().clamp_min(1e-30).log() for s in scores])
+    answered = [s.next_token.isfinite() for s in scores]
+    contrast = ranked_normal([s.next_token[a] for s, a in zip(scores, answered, strict=True)])
+    combined = []
+    for t, c, a in zip(token, contrast, answered, strict=True):
+        z = t.clone()
+        z[a] = (t[a] + c) / math.sqrt(2)
+        combined.append(z)
+    ranges = [torch.from_numpy(np.floor(np.log2(np.maximum(s.positions, 1))).astype(np.int64)) for s in scores]
+    every, where = torch.cat(combined), torch.cat(ranges)
+    offsets = torch.zeros(int(where.max()) + 1, dtype=torch.float64)
+    for r in where.unique().tolist():
+        rows = where == r
+        if int(rows.sum()) >= EARLY_MIN_ROWS:
+            offsets[r] = every[rows].median() - every.median()
+    return [z - offsets[r] for z, r in zip(combined, ranges, strict=True)]
+
+
+def stouffer_windows(z: torch.Tensor, length: int) -> torch.Tensor:
+    """[P] normal scores -> per run of `length` consecutive judged positions (the whole sample if shorter) the sum of
+    their scores over the root of their number: N(0, 1) for independent clean positions whatever the run's length, so
+    a short sample's one window and a long sample's many are one population."""
+    m = min(length, z.numel())
+    return z.unfold(0, m, 1).sum(-1) / math.sqrt(m)
 
 
 def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -182,6 +230,11 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     whole = whole_sample_means([s for _, s, _ in per_sample], folds)
     whole_z = whole_sample_z(whole, folds)
     tests = pooled.numel() + sum(w.numel() for w in local) + (whole.numel() if whole_z is not None else 0)
+    identity = None
+    if all(s.next_token is not None for _, s in scores):  # the token-identity test, where the scan read the final head
+        identity = token_identity([s for _, s in scores], L)
+        identity_windows = [stouffer_windows(z, window * IDENTITY_WINDOW_FACTOR) for z in identity]
+        tests += sum(w.numel() for w in identity_windows) + len(identity)
     z_star = -NormalDist().inv_cdf(params.sample_false_alarm / tests)
     within_z = torch.cat([(w - within_median) / within_sigma for w in local]) if local else None
     if within_z is not None and within_z.shape[0] >= TAIL_MIN_SCORES:
@@ -252,10 +305,64 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         if bad.any():
             fail_windows(report, shard, s, w, z, bad, kind, names, coherence.layer_ids, median, window, z_star, params,
                          coherence.leak)
+    if identity is not None:
+        summary["token_identity"] = check_token_identity(report, [(shard, s) for shard, s, _ in per_sample], identity,
+                                                         identity_windows, folds, tests, z_star, coherence.layer_ids,
+                                                         window * IDENTITY_WINDOW_FACTOR, params)
     summary["max_z"] = [float(v) for v in max_z]
     summary["max_within_z"] = [float(v) for v in max_within] if local else None
     summary["max_whole_sample_z"] = [float(v) for v in max_whole] if whole_z is not None else None
     summary["exchange_max_gain_log"] = exchange_gain
+
+
+def check_token_identity(report: Report, scores: list[tuple[str, SampleScores]], identity: list[torch.Tensor],
+                         windows: list[torch.Tensor], folds: list[int], tests: int, z_star: float, layer_ids: list[int],
+                         length: int, params) -> dict:
+    """Judge every sample's token-identity windows (Stouffer sums over `length` judged positions) against the run's,
+    and each whole sample's sum against the other samples' of its fold, each at a threshold calibrated on the run's
+    own scores as the other tests' (`calibrated`); a failing sample is named with the first captured layer (every
+    captured layer is off where states are shifted or another request's). Returns the summary for the metrics."""
+    pooled = torch.cat(windows)
+    median, sigma = robust(pooled[:, None])
+    sample_of = torch.cat([torch.full((w.numel(),), i) for i, w in enumerate(windows)])
+    threshold, rule = calibrated((pooled[:, None] - median) / sigma, sample_of, tests, params.sample_false_alarm, z_star)
+    whole = torch.stack([stouffer_windows(z, z.numel())[0] for z in identity])[:, None]
+    whole_z = whole_sample_z(whole, folds)
+    whole_threshold = (calibrated(whole_z, torch.arange(len(identity)), tests, params.sample_false_alarm, z_star)[0]
+                       if whole_z is not None else None)
+    max_window = max_whole = -math.inf
+    for i, (shard, s) in enumerate(scores):
+        z = (windows[i] - median[0]) / sigma[0]
+        max_window = max(max_window, float(z.max()))
+        over = float(z.max()) / float(threshold[0])
+        evidence = (f"over {min(length, s.positions.size)} judged positions: Stouffer sum {float(windows[i].max()):.2f} "
+                    f"against the run's median {float(median[0]):.2f}; z = {float(z.max()):.1f} robust sigmas > "
+                    f"{float(threshold[0]):.1f}")
+        at = int(z.argmax())
+        first, last = int(s.positions[at]), int(s.positions[min(at + length - 1, s.positions.size - 1)])
+        if whole_z is not None:
+            max_whole = max(max_whole, float(whole_z[i, 0]))
+            if float(whole_z[i, 0]) / float(whole_threshold[0]) > over:
+                over = float(whole_z[i, 0]) / float(whole_threshold[0])
+                evidence = (f"over the whole sample ({s.positions.size} judged positions): Stouffer sum "
+                            f"{float(whole[i, 0]):.2f}; z = {float(whole_z[i, 0]):.1f} robust sigmas from the other "
+                            f"samples' > {float(whole_threshold[0]):.1f}")
+                first, last = int(s.positions[0]), int(s.positions[-1])
+        if over > 1.0:
+            report.fail(
+                "samples",
+                f"positions {first}..{last} (every {params.sample_stride}th judged): the captured states do not belong to "
+                f"this sample's tokens (shifted rows, or another request's): layer {layer_ids[0]} does not match the "
+                f"tokens' embeddings and layer {layer_ids[-1]} does not predict the next tokens through the target's "
+                f"lm_head. Evidence (token-identity test: the token test's ratio and the next-token contrast as normal "
+                f"scores of their ranks in the run, summed) {evidence} (false-alarm bound {params.sample_false_alarm:g} "
+                f"for the run)",
+                shard=shard, sample=s.sample, layer=layer_ids[0],
+            )
+    return {"window_positions": length * params.sample_stride, "max_window_z": max_window,
+            "window_z_threshold": round(float(threshold[0]), 3), "window_threshold_rule": rule,
+            "max_whole_sample_z": max_whole if whole_z is not None else None,
+            "whole_sample_z_threshold": round(float(whole_threshold[0]), 3) if whole_z is not None else None}
 
 
 def fail_exchange(report: Report, shard: str, s: SampleScores, layer_ids: list[int]) -> None:

@@ -61,6 +61,8 @@ class SampleScores:
     # per adjacent pair of captured layers (i, i + 1): mean log(share as written / share with the two
     # exchanged) over the first EXCHANGE_POSITIONS judged positions; > 0: they fit better exchanged
     exchange: torch.Tensor | None = None
+    # [P] the next-token test's scores (verify_sample_next_token.py), set by the scan where the target's head is loaded
+    next_token: torch.Tensor | None = None
 
 
 class Coherence:
