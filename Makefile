@@ -72,10 +72,10 @@ lint: setup
 
 # Share DVC's cache through the default remote (.dvc/config; S3 / SSH in README). The run-cache
 # also shares which params gave which outputs, so a teammate's `dvc repro --pull` restores a
-# stage already run with the same inputs instead of running it. pipeline.share = `dvc push
+# stage already run with the same inputs instead of running it. pipeline.workflow.share = `dvc push
 # --run-cache` + the data of every recorded run, which DVC 3.67 leaves behind (see the module).
 push: setup
-	$(PY) -m pipeline.share push
+	$(PY) -m pipeline.workflow.share push
 
 pull: setup
 	dvc pull --run-cache
@@ -87,9 +87,9 @@ pull: setup
 # PARAMS names another params file (as .ci/run does for the CPU image).
 PARAMS ?= params.yaml
 docker-build: setup
-	image=$$($(PY) -m pipeline.launcher --params $(PARAMS) image) && \
-	recipe=$$($(PY) -m pipeline.launcher --params $(PARAMS) recipe) && \
-	tag=$$($(PY) -m pipeline.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
+	image=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) image) && \
+	recipe=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) recipe) && \
+	tag=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
 
 # The CPU recipe's base where no public registry is reachable: Debian from Debian's packages,
 # pushed to the registry on 127.0.0.1:5000; prints the name:tag@sha256:digest for runtime.image.
@@ -98,7 +98,7 @@ docker-base:
 	docker/base.sh
 
 docker-shell: setup
-	$(PY) -m pipeline.launcher --params $(PARAMS) shell
+	$(PY) -m pipeline.workflow.launcher --params $(PARAMS) shell
 
 clean-venv:
 	rm -rf $(VENV)

@@ -10,9 +10,9 @@ import click
 
 from pipeline import cpu_determinism
 from pipeline.errors import PipelineError
-from pipeline.launcher import launch
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import CPU_PINNED, SECTION, STAGES
+from pipeline.workflow.launcher import launch
 
 
 def _run_stage(stage: str, params_file: Path) -> None:
@@ -27,7 +27,7 @@ def _run_stage(stage: str, params_file: Path) -> None:
             module.run(params)
             return
         section = getattr(params, SECTION[stage])
-        # here, or in the container per runtime.mode (pipeline/launcher.py)
+        # here, or in the container per runtime.mode (pipeline/workflow/launcher.py)
         launch(stage, params, params_file, lambda: module.run(section))
     except PipelineError as e:
         click.secho(f"[{stage}] error: {e}", fg="red", err=True)
@@ -67,7 +67,7 @@ for _stage in STAGES:
 @click.pass_obj
 def check_params(params_file: Path) -> None:
     """Validate params.yaml, the data file and the target's limits (the check stage's checks) and exit."""
-    from pipeline import input_checks
+    from pipeline.workflow import input_checks
 
     try:
         found = input_checks.problems(load_params(params_file))
@@ -153,7 +153,7 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
 @click.pass_obj
 def sweep_cmd(params_file: Path, layer_sets: str | None, train_epochs: int | None) -> None:
     """Run a grid of layer-id sets as DVC experiments, each through verify, train and eval; print one table."""
-    from pipeline import sweep
+    from pipeline.workflow import sweep
 
     if params_file != Path("params.yaml"):
         click.secho("[sweep] error: DVC experiments set params in params.yaml; run without --params", fg="red", err=True)

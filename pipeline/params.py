@@ -353,7 +353,7 @@ DEFAULT_IMAGE = "vllm/vllm-openai:v0.26.0@sha256:ffb2d59b1c059a5bd8d781320c9f518
 
 
 class RuntimeParams(_Section):
-    """Where the stages run; read only by the launcher (pipeline/launcher.py), never by a stage."""
+    """Where the stages run; read only by the launcher (pipeline/workflow/launcher.py), never by a stage."""
 
     mode: Literal["native", "docker"] = Field(
         "native", description="native = this Python environment; docker = inside the image built from runtime.image (make docker-build)."

@@ -25,8 +25,8 @@ from safetensors import SafetensorError
 from pipeline import layout, shards
 from pipeline.errors import PipelineError
 from pipeline.extraction.output import no_space_reason
-from pipeline.output_guard import lock_path
 from pipeline.target import sha256_file
+from pipeline.workflow.output_guard import lock_path
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, TINY, copy_project, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +103,7 @@ def test_second_concurrent_extract_is_refused_by_the_lock(extracted: Path, proje
 
 
 def test_lock_is_exclusive_and_released(tmp_path: Path, monkeypatch) -> None:
-    from pipeline.output_guard import output_locks
+    from pipeline.workflow.output_guard import output_locks
 
     monkeypatch.chdir(tmp_path)
     out = Path("artifacts/hidden_states")

@@ -144,9 +144,10 @@ def test_int4_target_model_extract_verify(tmp_path: Path):
     on such an EPYC) the check stage and extract refuse the target before an engine starts, saying
     so, and nothing is written (test_int4_streamed_equals_the_whole_dequantized_model still checks
     the reference's side there)."""
-    from pipeline import input_checks, vllm_compat
+    from pipeline import vllm_compat
     from pipeline.errors import PipelineError
     from pipeline.params import load_params
+    from pipeline.workflow import input_checks
     from tests.conftest import EXTRACT_PARAMS, make_prepared
 
     embedded = {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128,
