@@ -8,10 +8,10 @@ from pathlib import Path
 
 import click
 
-from pipeline import cpu_determinism
 from pipeline.errors import PipelineError
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import CPU_PINNED, SECTION, STAGES
+from pipeline.training import cpu_determinism
 from pipeline.workflow.launcher import launch
 
 
@@ -21,7 +21,7 @@ def _run_stage(stage: str, params_file: Path) -> None:
         if stage in CPU_PINNED:  # before the stage's module imports torch: ATen and MKL read them once
             for name, value in cpu_determinism.pin_environment().items():
                 click.echo(f"[{stage}] {name}={value} overridden by {cpu_determinism.PINNED_ENV[name]} "
-                           "(pipeline/cpu_determinism.py)", err=True)
+                           "(pipeline/training/cpu_determinism.py)", err=True)
         module = importlib.import_module(f"pipeline.stages.{stage}")
         if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
             module.run(params)

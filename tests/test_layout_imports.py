@@ -107,6 +107,8 @@ def test_nothing_below_the_stages_imports_a_stage() -> None:
 # so no package imports upward and there is no circle between packages.
 PACKAGES = [
     "pipeline.workflow",  # around `run <stage>`: launcher, output guard, invalidation, input checks, sweep, share
+    "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
+    "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
 ]
 # The entry, above everything; nothing imports it.
 ENTRY = {"pipeline.__main__", "pipeline.cli"}

@@ -19,11 +19,11 @@ from pathlib import Path
 
 from pipeline import vllm_compat
 from pipeline.atomic import atomic_write_text
-from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
 from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS, TRAIN_METRICS
 from pipeline.params import EvalParams
 from pipeline.target import Target, load_target
+from pipeline.training.draft import final_draft
 
 EVAL_METRICS = METRICS / "eval.json"
 EVAL_REPORT = REPORTS / "eval.md"
