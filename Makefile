@@ -33,7 +33,7 @@ repro: setup
 $(STAGES): setup
 	dvc repro $@
 
-# Capacity planning (pipeline/plan.py): bytes the extraction will write, free space, wall time,
+# Capacity planning (pipeline/planning/plan.py): bytes the extraction will write, free space, wall time,
 # engine memory; PLAN_ARGS projects another model/dataset, e.g. the Kimi-K2.5-shaped example:
 #   make plan PLAN_ARGS="--config examples/kimi-k2.5-config.json --tokens 1e9 --dtype bfloat16 --layer-ids 2,30,58,61"
 plan: setup

@@ -117,11 +117,11 @@ def _layer_list(value: str | None) -> list[int] | None:
 @click.pass_obj
 def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_layers, layer_ids, dtype, weights_gib,
              gpu_gib, tensor_parallel_size, tok_per_s, calibrate, json_out) -> None:
-    """Project the extraction's bytes, free space, wall time and engine memory (pipeline/plan.py)."""
+    """Project the extraction's bytes, free space, wall time and engine memory (pipeline/planning/plan.py)."""
     import json
 
-    from pipeline import plan
     from pipeline.atomic import atomic_write_text
+    from pipeline.planning import plan
 
     try:
         params = load_params(params_file)

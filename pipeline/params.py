@@ -172,7 +172,7 @@ class ExtractParams(_Section):
     replicas: int = Field(1, ge=1, description="engine: ray: engine actors, each with tensor_parallel_size x pipeline_parallel_size GPUs (1 CPU on CPU).")
     max_retries: int = Field(2, ge=0, description="engine: ray: times a shard whose replica was lost is re-run on another replica.")
     free_space_margin: float = Field(
-        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/plan.py)."
+        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/planning/plan.py)."
     )
 
     @field_validator("layer_ids")

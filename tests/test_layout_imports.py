@@ -83,7 +83,7 @@ def is_stage(module: str) -> bool:
 def test_the_graph_sees_the_known_imports() -> None:
     # a guard that the parser reads the imports at all (lazy ones included)
     assert "pipeline.extraction.engine" in GRAPH["pipeline.stages.extract"]
-    assert "pipeline.extraction.inputs" in GRAPH["pipeline.plan"]
+    assert "pipeline.extraction.inputs" in GRAPH["pipeline.planning.plan"]
     assert "pipeline.extraction.engine" in GRAPH["pipeline.extraction.ray"]  # inside a method
     assert "pipeline.stages" in GRAPH["pipeline.cli"]
 
@@ -107,6 +107,7 @@ def test_nothing_below_the_stages_imports_a_stage() -> None:
 # so no package imports upward and there is no circle between packages.
 PACKAGES = [
     "pipeline.workflow",  # around `run <stage>`: launcher, output guard, invalidation, input checks, sweep, share
+    "pipeline.planning",  # `make plan`: the extraction's bytes, wall time and memory, verify's reference cost
     "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
     "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
 ]

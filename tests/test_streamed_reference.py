@@ -195,9 +195,9 @@ def test_int4_target_model_extract_verify(tmp_path: Path):
 def test_plan_projects_the_reference_at_kimi_scale():
     """`make plan` on the Kimi-K2.5-shaped example: INT4, so streamed; the checkpoint read once; the
     routed experts chunked to fit a smaller budget; a budget below one unit reported, not raised."""
-    from pipeline import plan
     from pipeline.params import load_params
-    from pipeline.reference_plan import project_reference
+    from pipeline.planning import plan
+    from pipeline.planning.reference import project_reference
 
     root = Path(__file__).resolve().parents[1]
     params = load_params(root / "params.yaml")

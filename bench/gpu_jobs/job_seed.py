@@ -41,10 +41,10 @@ def job_seed_build(state: dict, name: str) -> dict:
 
 
 def job_seed_plan(state: dict, name: str) -> dict:
-    """`make plan` for the seed project's params (pipeline.plan.build_plan in the project, no calibration)."""
+    """`make plan` for the seed project's params (pipeline.planning.plan.build_plan in the project, no calibration)."""
     from gpu_jobs.engine_runs import _engine_params
     from pipeline.params import DataParams, Params, VerifyParams
-    from pipeline.plan import build_plan
+    from pipeline.planning.plan import build_plan
 
     workload = name.removesuffix("_after")
     proj = Path(state[f"project_{workload}"])

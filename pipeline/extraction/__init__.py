@@ -6,6 +6,6 @@
 - `engine`: one vLLM engine fed with the samples, its captures checked and written as shards;
 - `ray`: the same shards computed by several engines on a Ray cluster (extract.engine: ray).
 
-The extract stage (pipeline/stages/extract.py), `python -m pipeline plan` (pipeline/plan.py) and
+The extract stage (pipeline/stages/extract.py), `python -m pipeline plan` (pipeline/planning/plan.py) and
 bench/ use these modules; none of them imports a stage.
 """

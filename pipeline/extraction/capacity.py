@@ -2,7 +2,7 @@
 
 Used before any GPU time is spent, by the extract stage (it refuses to start when the shards still
 to write and vLLM's scratch files do not fit, pipeline/extraction/output.py) and by
-`python -m pipeline plan` (pipeline/plan.py), which also projects wall time and memory.
+`python -m pipeline plan` (pipeline/planning/plan.py), which also projects wall time and memory.
 """
 
 from __future__ import annotations
