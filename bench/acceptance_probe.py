@@ -29,7 +29,7 @@ from speculators.losses import resolve_loss_config
 from speculators.model import SpeculatorModel
 from speculators.models.eagle3.data import shift_batch
 
-from pipeline import shards
+from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import load_params
 from pipeline.reference import ReferenceModel

@@ -84,8 +84,8 @@ def check_params(params_file: Path) -> None:
 @click.option("--format", "fmt", required=True, type=click.Choice(["speculators-0.3", "speculators-0.9"]))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="a new (or empty) directory")
 def export_cmd(fmt: str, out: Path) -> None:
-    """Export artifacts/hidden_states to a speculators training-data layout (pipeline/export.py)."""
-    from pipeline.export import export
+    """Export artifacts/hidden_states to a speculators training-data layout (pipeline/hidden_states/export.py)."""
+    from pipeline.hidden_states.export import export
 
     try:
         export(fmt, out)

@@ -34,7 +34,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import layout, shards
+from pipeline import layout
+from pipeline.hidden_states import format as shards
 from pipeline.params import load_params
 from pipeline.workflow import launcher, output_guard
 

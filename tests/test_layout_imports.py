@@ -110,6 +110,7 @@ PACKAGES = [
     "pipeline.planning",  # `make plan`: the extraction's bytes, wall time and memory, verify's reference cost
     "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
     "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
+    "pipeline.hidden_states",  # the shard format extract writes and the others read, its statistics, export
 ]
 # The entry, above everything; nothing imports it.
 ENTRY = {"pipeline.__main__", "pipeline.cli"}
@@ -177,7 +178,7 @@ IMPORTED_ONLY = {
     "check": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
     "regenerate": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
     "eval": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "train": {"pipeline.shard_stats": "the statistics shards.py writes, not what it reads"},
+    "train": {"pipeline.hidden_states.stats": "the statistics the shard format writes, not what it reads"},
 }
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import shards
+from pipeline.hidden_states import format as shards
 from tests.test_dvc_invalidation import TINY, merge
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -22,9 +22,10 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.extraction.output import no_space_reason
+from pipeline.hidden_states import format as shards
 from pipeline.target import sha256_file
 from pipeline.workflow.output_guard import lock_path
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, TINY, copy_project, run_stage

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.stages import train
 from pipeline.training import cpu_determinism, speculators_cpu
 from pipeline.training.draft import final_draft

@@ -69,7 +69,8 @@ TL: dict = {}
 
 def _instrument() -> None:
     """Timeline of the stage from outside its code: engine ready, requests added/finished, shard writes."""
-    from pipeline import shards, vllm_compat
+    from pipeline import vllm_compat
+    from pipeline.hidden_states import format as shards
 
     E = vllm_compat.HiddenStatesEngine
     orig_init, orig_add, orig_step, orig_generate = E.__init__, E.add, E.step, E.generate

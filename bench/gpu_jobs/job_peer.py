@@ -98,7 +98,8 @@ def compare_with_ours(proj: Path, peer_out: Path, phases: list[str]) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from pipeline import layout, shards
+    from pipeline import layout
+    from pipeline.hidden_states import format as shards
 
     wanted = [i for ph in sorted(set(phases)) for i in [k for k, p in enumerate(phases) if p == ph][:COMPARED_SAMPLES]]
     where = {sid: path for path in shards.complete_shards(proj / layout.HIDDEN_STATES_DIR)

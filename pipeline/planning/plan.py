@@ -81,10 +81,10 @@ def calibrate(params, samples: int) -> Throughput:
     """A real, short extraction of the first `samples` prepared samples into a temporary directory."""
     import time
 
-    from pipeline import shards
     from pipeline.atomic import atomic_write_text
     from pipeline.extraction.engine import extract_shards
     from pipeline.extraction.inputs import open_prepared, plan_shards
+    from pipeline.hidden_states import format as shards
     from pipeline.params import resolve_layer_ids
     from pipeline.target import load_target
 

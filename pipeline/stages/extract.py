@@ -15,12 +15,13 @@ import json
 import socket
 import time
 
-from pipeline import shards, vllm_compat
+from pipeline import vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.extraction.engine import Progress, extract_shards
 from pipeline.extraction.inputs import dataset_hash, log, open_prepared, plan_shards, run_key_fields
 from pipeline.extraction.output import check_free_space, no_space_reason, prepare_output_dir
+from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS
 from pipeline.params import ExtractParams, resolve_layer_ids
 from pipeline.target import load_target, sha256_json

@@ -25,9 +25,9 @@ from speculators.train.config import TrainConfig
 from speculators.train.logger import setup_root_logger
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from pipeline import shards
 from pipeline.atomic import atomic_write_text, open_up_to_umask
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.layout import (
     ARTIFACTS,
     DRAFT_DIR,
