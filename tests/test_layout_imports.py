@@ -110,6 +110,7 @@ PACKAGES = [
     "pipeline.planning",  # `make plan`: the extraction's bytes, wall time and memory, verify's reference cost
     "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
     "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
+    "pipeline.extraction",  # the engine side of extract: inputs, capacity, output, engines, the vLLM glue
     "pipeline.hidden_states",  # the shard format extract writes and the others read, its statistics, export
 ]
 # The entry, above everything; nothing imports it.
@@ -175,9 +176,9 @@ PLUMBING = {
 }
 # ... and, per stage, modules imported for another stage's sake
 IMPORTED_ONLY = {
-    "check": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "regenerate": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "eval": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "check": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "regenerate": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "eval": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
     "train": {"pipeline.hidden_states.stats": "the statistics the shard format writes, not what it reads"},
 }
 
@@ -208,3 +209,24 @@ def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
         if absent:
             missing[stage] = absent
     assert missing == {}, f"dvc.yaml deps lack the code that decides these stages' outputs: {missing}"
+
+
+def test_a_code_folder_in_deps_is_all_the_stages_code() -> None:
+    """A stage names a package folder in its deps only when every module in it is code the stage runs (else an edit
+    to a module it never imports would re-run it), and DVC leaves Python's byte-code caches out of folders."""
+    import yaml
+
+    stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]
+    loose = {}
+    for stage, spec in stages.items():
+        runs = closure(f"pipeline.stages.{stage}")
+        for d in (d for d in spec.get("deps", []) if isinstance(d, str) and d.startswith("pipeline")):
+            folder = PIPELINE.parent / d
+            if folder.is_dir():
+                unused = sorted(str(p.relative_to(PIPELINE.parent)) for p in folder.rglob("*.py")
+                                if p.name != "__init__.py" and module_name(p) not in runs)
+                if unused:
+                    loose[f"{stage}: {d}"] = unused
+    assert loose == {}, f"folders in dvc.yaml deps holding modules the stage does not run: {loose}"
+    ignored = (PIPELINE.parent / ".dvcignore").read_text().split()
+    assert "__pycache__/" in ignored, ".dvcignore must leave __pycache__/ out of the code folders dvc.yaml names"

@@ -291,9 +291,9 @@ def test_trust_remote_code_comes_from_the_target_only() -> None:
 
 
 def test_trust_remote_code_is_off_by_default(tmp_path: Path) -> None:
+    from pipeline.extraction.vllm_compat import engine_kwargs, generation_kwargs
     from pipeline.params import ModelParams
     from pipeline.target import Target
-    from pipeline.vllm_compat import engine_kwargs, generation_kwargs
 
     assert ModelParams().trust_remote_code is False
     assert Target(path=tmp_path, embedded=False, fingerprint={}).trust_remote_code is False

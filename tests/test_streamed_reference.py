@@ -144,8 +144,8 @@ def test_int4_target_model_extract_verify(tmp_path: Path):
     on such an EPYC) the check stage and extract refuse the target before an engine starts, saying
     so, and nothing is written (test_int4_streamed_equals_the_whole_dequantized_model still checks
     the reference's side there)."""
-    from pipeline import vllm_compat
     from pipeline.errors import PipelineError
+    from pipeline.extraction import vllm_compat
     from pipeline.params import load_params
     from pipeline.workflow import input_checks
     from tests.conftest import EXTRACT_PARAMS, make_prepared

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline import vllm_compat
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.extraction.inputs import ShardPlan
 from pipeline.hidden_states import format as shards
 from pipeline.hidden_states import stats as shard_stats

@@ -15,9 +15,9 @@ import json
 import socket
 import time
 
-from pipeline import vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.extraction.engine import Progress, extract_shards
 from pipeline.extraction.inputs import dataset_hash, log, open_prepared, plan_shards, run_key_fields
 from pipeline.extraction.output import check_free_space, no_space_reason, prepare_output_dir

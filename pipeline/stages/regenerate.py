@@ -118,7 +118,7 @@ class GenerationEngine:
     """The target in vLLM for plain generation (token ids in, token ids out)."""
 
     def __init__(self, target, cfg: RegenerateParams, seq_len: int) -> None:
-        from pipeline import vllm_compat
+        from pipeline.extraction import vllm_compat
 
         self.cfg, self.seq_len, self.model_path = cfg, seq_len, target.path
         vllm_compat.configure_process_env(cfg.cpu_kvcache_gib, target.path, seq_len)
