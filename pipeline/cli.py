@@ -145,6 +145,20 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
         sys.exit(1)
 
 
+@main.command("upgrade-layout")
+@click.option("--dry-run", is_flag=True, help="Say which stages would be re-recorded; commit nothing.")
+def upgrade_layout_cmd(dry_run: bool) -> None:
+    """After the move to packages: re-record the stages whose only change is their code's new paths (dvc commit -f),
+    so a finished project re-runs nothing the move did not change (pipeline/workflow/upgrade_layout.py)."""
+    from pipeline.workflow.upgrade_layout import upgrade
+
+    try:
+        upgrade(Path("."), dry_run=dry_run, echo=click.echo)
+    except PipelineError as e:
+        click.secho(f"[upgrade-layout] error: {e}", fg="red", err=True)
+        sys.exit(1)
+
+
 @main.command("sweep")
 @click.option("--layer-sets", help="Grid of extract.layer_ids, ';'-separated, e.g. '2,4,5,8;3,5,6,8' (default: the "
               "default layers, shifted by one, and a shallow set).")
