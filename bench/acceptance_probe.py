@@ -29,14 +29,14 @@ from speculators.losses import resolve_loss_config
 from speculators.model import SpeculatorModel
 from speculators.models.eagle3.data import shift_batch
 
-from pipeline import shards
-from pipeline.draft import final_draft
+from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import load_params
 from pipeline.reference import ReferenceModel
 from pipeline.stages.eval import load_prompts
 from pipeline.target import load_target
-from pipeline.train_data import ShardDataset, index_shards, split_refs
+from pipeline.training.data import ShardDataset, index_shards, split_refs
+from pipeline.training.draft import final_draft
 
 
 def load_draft(draft_dir: Path, target_path: Path) -> torch.nn.Module:

@@ -7,7 +7,7 @@ Usage, from the repo root (needs only torch, transformers, tokenizers and this r
     PYTHONPATH=. python bench/determinism_probe.py --unpinned           # what the machine picks itself
     PYTHONPATH=. python bench/determinism_probe.py --aten default --mkl AUTO --threads 2
 
-By default it runs exactly as `python -m pipeline run model` does: pipeline/cpu_determinism.py's
+By default it runs exactly as `python -m pipeline run model` does: pipeline/training/cpu_determinism.py's
 pins (set here before torch is imported, as the stage entry sets them) and its thread count, the
 tokenizer, corpus, model and training loop of pipeline/embedded/, params.yaml's
 model.embedded section (or --params). Two machines agree when `weights_sha256` is equal; with
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from pipeline import cpu_determinism
+from pipeline.training import cpu_determinism
 
 
 def parse_args() -> argparse.Namespace:

@@ -20,9 +20,9 @@ from pathlib import Path
 import torch
 
 from pipeline import layout
+from pipeline.hidden_states.format import Sample, write_shard
 from pipeline.params import ExtractParams, resolve_layer_ids
 from pipeline.reference import ReferenceModel
-from pipeline.shards import Sample, write_shard
 from pipeline.target import Target, fingerprint_model_dir, write_target
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from pipeline import verify_audit
-from pipeline.shards import Sample, write_shard
+from pipeline.hidden_states.format import Sample, write_shard
 
 
 def module_at(rev: str):

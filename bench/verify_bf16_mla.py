@@ -21,8 +21,9 @@ import shutil
 import time
 from pathlib import Path
 
-from pipeline import layout, vllm_compat
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.params import ExtractParams, VerifyParams
 from pipeline.stages import extract, verify
 

@@ -31,8 +31,8 @@ from datasets import load_from_disk
 from pipeline import verify_fit
 from pipeline import verify_samples as V
 from pipeline import verify_whitening as W
+from pipeline.hidden_states.format import complete_shards, load_sample, read_manifest
 from pipeline.params import VerifyParams
-from pipeline.shards import complete_shards, load_sample, read_manifest
 from pipeline.verify_report import Report
 from pipeline.verify_sample_judge import check_samples
 

@@ -37,7 +37,7 @@ raw = yaml.safe_load(open("params.yaml"))
 raw["runtime"].update(recipe="cpu", image=sys.argv[1], gpus="none")
 yaml.safe_dump(raw, open(sys.argv[2], "w"), sort_keys=False)
 PY
-    tag=$("$PY" -m pipeline.launcher --params "$params" tag)
+    tag=$("$PY" -m pipeline.workflow.launcher --params "$params" tag)
     if docker image inspect "$tag" >/dev/null 2>&1; then
         echo "[ci-container] $tag is built: reusing it" >&2
     else

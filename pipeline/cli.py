@@ -8,11 +8,11 @@ from pathlib import Path
 
 import click
 
-from pipeline import cpu_determinism
 from pipeline.errors import PipelineError
-from pipeline.launcher import launch
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import CPU_PINNED, SECTION, STAGES
+from pipeline.training import cpu_determinism
+from pipeline.workflow.launcher import launch
 
 
 def _run_stage(stage: str, params_file: Path) -> None:
@@ -21,13 +21,13 @@ def _run_stage(stage: str, params_file: Path) -> None:
         if stage in CPU_PINNED:  # before the stage's module imports torch: ATen and MKL read them once
             for name, value in cpu_determinism.pin_environment().items():
                 click.echo(f"[{stage}] {name}={value} overridden by {cpu_determinism.PINNED_ENV[name]} "
-                           "(pipeline/cpu_determinism.py)", err=True)
+                           "(pipeline/training/cpu_determinism.py)", err=True)
         module = importlib.import_module(f"pipeline.stages.{stage}")
         if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
             module.run(params)
             return
         section = getattr(params, SECTION[stage])
-        # here, or in the container per runtime.mode (pipeline/launcher.py)
+        # here, or in the container per runtime.mode (pipeline/workflow/launcher.py)
         launch(stage, params, params_file, lambda: module.run(section))
     except PipelineError as e:
         click.secho(f"[{stage}] error: {e}", fg="red", err=True)
@@ -67,7 +67,7 @@ for _stage in STAGES:
 @click.pass_obj
 def check_params(params_file: Path) -> None:
     """Validate params.yaml, the data file and the target's limits (the check stage's checks) and exit."""
-    from pipeline import input_checks
+    from pipeline.workflow import input_checks
 
     try:
         found = input_checks.problems(load_params(params_file))
@@ -84,8 +84,8 @@ def check_params(params_file: Path) -> None:
 @click.option("--format", "fmt", required=True, type=click.Choice(["speculators-0.3", "speculators-0.9"]))
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="a new (or empty) directory")
 def export_cmd(fmt: str, out: Path) -> None:
-    """Export artifacts/hidden_states to a speculators training-data layout (pipeline/export.py)."""
-    from pipeline.export import export
+    """Export artifacts/hidden_states to a speculators training-data layout (pipeline/hidden_states/export.py)."""
+    from pipeline.hidden_states.export import export
 
     try:
         export(fmt, out)
@@ -117,11 +117,11 @@ def _layer_list(value: str | None) -> list[int] | None:
 @click.pass_obj
 def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_layers, layer_ids, dtype, weights_gib,
              gpu_gib, tensor_parallel_size, tok_per_s, calibrate, json_out) -> None:
-    """Project the extraction's bytes, free space, wall time and engine memory (pipeline/plan.py)."""
+    """Project the extraction's bytes, free space, wall time and engine memory (pipeline/planning/plan.py)."""
     import json
 
-    from pipeline import plan
     from pipeline.atomic import atomic_write_text
+    from pipeline.planning import plan
 
     try:
         params = load_params(params_file)
@@ -145,6 +145,20 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
         sys.exit(1)
 
 
+@main.command("upgrade-layout")
+@click.option("--dry-run", is_flag=True, help="Say which stages would be re-recorded; commit nothing.")
+def upgrade_layout_cmd(dry_run: bool) -> None:
+    """After the move to packages: re-record the stages whose only change is their code's new paths (dvc commit -f),
+    so a finished project re-runs nothing the move did not change (pipeline/workflow/upgrade_layout.py)."""
+    from pipeline.workflow.upgrade_layout import upgrade
+
+    try:
+        upgrade(Path("."), dry_run=dry_run, echo=click.echo)
+    except PipelineError as e:
+        click.secho(f"[upgrade-layout] error: {e}", fg="red", err=True)
+        sys.exit(1)
+
+
 @main.command("sweep")
 @click.option("--layer-sets", help="Grid of extract.layer_ids, ';'-separated, e.g. '2,4,5,8;3,5,6,8' (default: the "
               "default layers, shifted by one, and a shallow set).")
@@ -153,7 +167,7 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
 @click.pass_obj
 def sweep_cmd(params_file: Path, layer_sets: str | None, train_epochs: int | None) -> None:
     """Run a grid of layer-id sets as DVC experiments, each through verify, train and eval; print one table."""
-    from pipeline import sweep
+    from pipeline.workflow import sweep
 
     if params_file != Path("params.yaml"):
         click.secho("[sweep] error: DVC experiments set params in params.yaml; run without --params", fg="red", err=True)

@@ -172,7 +172,7 @@ class ExtractParams(_Section):
     replicas: int = Field(1, ge=1, description="engine: ray: engine actors, each with tensor_parallel_size x pipeline_parallel_size GPUs (1 CPU on CPU).")
     max_retries: int = Field(2, ge=0, description="engine: ray: times a shard whose replica was lost is re-run on another replica.")
     free_space_margin: float = Field(
-        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/plan.py)."
+        0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/planning/plan.py)."
     )
 
     @field_validator("layer_ids")
@@ -353,7 +353,7 @@ DEFAULT_IMAGE = "vllm/vllm-openai:v0.26.0@sha256:ffb2d59b1c059a5bd8d781320c9f518
 
 
 class RuntimeParams(_Section):
-    """Where the stages run; read only by the launcher (pipeline/launcher.py), never by a stage."""
+    """Where the stages run; read only by the launcher (pipeline/workflow/launcher.py), never by a stage."""
 
     mode: Literal["native", "docker"] = Field(
         "native", description="native = this Python environment; docker = inside the image built from runtime.image (make docker-build)."

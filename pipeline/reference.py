@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pipeline.shards import read_header
+from pipeline.hidden_states.format import read_header
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -27,6 +27,7 @@ import torch
 
 from pipeline import int4
 from pipeline.errors import PipelineError
+from pipeline.hidden_states.format import read_header
 from pipeline.reference import (
     DTYPES,
     FinalHeadModel,
@@ -36,7 +37,6 @@ from pipeline.reference import (
     tensor_locations,
 )
 from pipeline.reference_cost import BUDGET_PARAM, GIB, LayerCost, ModelCost, Unit, stream_plan, whole_model_bytes
-from pipeline.shards import read_header
 
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # transformers' fused -> per-expert names
 

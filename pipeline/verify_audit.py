@@ -16,9 +16,9 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import shard_stats
+from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.format import read_header
 from pipeline.shard_view import _NUMPY_VIEW, ShardView
-from pipeline.shards import read_header
 from pipeline.target import sha256_file
 
 

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.hidden_states.format import read_header, read_manifest
 from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
-from pipeline.shards import read_header, read_manifest
 from pipeline.verify_samples import Coherence
 
 

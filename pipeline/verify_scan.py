@@ -32,12 +32,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pipeline import shard_stats
+from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.format import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.host_staging import HostStaging
 from pipeline.progress import progress
 from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
-from pipeline.shards import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.verify_audit import read_in_full
 from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
 from pipeline.verify_sample_next_token import contrast_scores, contrast_tokens

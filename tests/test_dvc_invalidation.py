@@ -1,4 +1,4 @@
-"""The invalidation table (pipeline/invalidation.py) against the schema, dvc.yaml, the docs and real DVC.
+"""The invalidation table (pipeline/workflow/invalidation.py) against the schema, dvc.yaml, the docs and real DVC.
 
 Fast: every params.yaml key is classified, dvc.yaml's `params:` lists are exactly the table, and
 docs/ARCHITECTURE.md shows the same table. Slow (one real `dvc repro` of the tiny embedded
@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import invalidation
 from pipeline.params import Params
+from pipeline.workflow import invalidation
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -54,9 +54,9 @@ def test_every_param_is_classified():
     keys = invalidation.leaf_keys(Params)
     unclassified = [k for k in keys if k not in invalidation.RERUNS]
     assert not unclassified, (
-        f"params.yaml keys with no entry in pipeline/invalidation.py RERUNS: {unclassified}. Add each with the "
+        f"params.yaml keys with no entry in pipeline/workflow/invalidation.py RERUNS: {unclassified}. Add each with the "
         "stages whose output bytes it changes (reruns(...)) or tuning(why) if it changes none, list it in those "
-        "stages' dvc.yaml params, and add its row to docs/ARCHITECTURE.md (python -m pipeline.invalidation)")
+        "stages' dvc.yaml params, and add its row to docs/ARCHITECTURE.md (python -m pipeline.workflow.invalidation)")
     assert not set(invalidation.RERUNS) - set(keys), "RERUNS names keys the schema no longer has"
     for key, rule in invalidation.RERUNS.items():
         assert set(rule.stages) <= set(invalidation.STAGES) and rule.why, key
@@ -93,7 +93,7 @@ def test_architecture_doc_shows_the_table():
     doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
     rows = {m.group(1): m.group(2).strip() for m in re.finditer(r"^\| `([a-z_.0-9]+)` \| ([^|]*) \|", doc, re.M)}
     want = {k: invalidation.stages_text(rule) for k, rule in invalidation.RERUNS.items()}
-    assert {k: rows.get(k) for k in want} == want, "docs/ARCHITECTURE.md: re-generate with python -m pipeline.invalidation"
+    assert {k: rows.get(k) for k in want} == want, "docs/ARCHITECTURE.md: re-generate with python -m pipeline.workflow.invalidation"
 
 
 # --- real DVC on the tiny embedded project ------------------------------------------------------

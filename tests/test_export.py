@@ -16,10 +16,11 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.cli import main
 from pipeline.errors import PipelineError
-from pipeline.export import EXPORT_META, export, to_speculators_03_ids
+from pipeline.hidden_states import format as shards
+from pipeline.hidden_states.export import EXPORT_META, export, to_speculators_03_ids
 from tests.conftest import NUM_PREPARED, TINY, copy_project
 
 pytestmark = pytest.mark.slow

@@ -9,8 +9,10 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pipeline import layout, shards, vllm_compat
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
+from pipeline.hidden_states import format as shards
 from pipeline.target import Target, sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
 

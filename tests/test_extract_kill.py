@@ -34,8 +34,9 @@ import pytest
 import torch
 import yaml
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.atomic import SAFETENSORS_TEMP, TMP_MARK, is_temp
+from pipeline.hidden_states import format as shards
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage
 from tests.kill_from_outside import Run, kill_at_file, kill_at_line, run_to_end

@@ -17,10 +17,11 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import launcher, layout, output_guard
-from pipeline.launcher import Host, input_mounts, launch_argv
-from pipeline.output_guard import resumable_outputs
+from pipeline import layout
 from pipeline.params import DEFAULT_IMAGE, Params, load_params
+from pipeline.workflow import launcher, output_guard
+from pipeline.workflow.launcher import Host, input_mounts, launch_argv
+from pipeline.workflow.output_guard import resumable_outputs
 
 ROOT = Path(__file__).resolve().parents[1]
 REPO = Path("/home/alice/eagle3")
@@ -315,8 +316,8 @@ def test_dockerfile_builds_from_the_build_arg_and_runs_as_non_root(recipe, arg):
 def test_make_docker_build_passes_params_image():
     proc = subprocess.run(["make", "-n", "docker-build"], cwd=ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
-    assert "docker/build.sh \"$recipe\" \"$image\" \"$tag\"" in proc.stdout and "pipeline.launcher --params params.yaml image" in proc.stdout
-    image = subprocess.run([sys.executable, "-m", "pipeline.launcher", "image"], cwd=ROOT, capture_output=True, text=True)
+    assert "docker/build.sh \"$recipe\" \"$image\" \"$tag\"" in proc.stdout and "pipeline.workflow.launcher --params params.yaml image" in proc.stdout
+    image = subprocess.run([sys.executable, "-m", "pipeline.workflow.launcher", "image"], cwd=ROOT, capture_output=True, text=True)
     assert image.stdout.strip() == load_params(ROOT / "params.yaml").runtime.image
 
 

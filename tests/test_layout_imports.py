@@ -1,5 +1,6 @@
 """The import graph of pipeline/, drawn from the source with ast: no circle, no module below the stages imports one,
-and every stage's dvc.yaml deps list the code that decides its outputs (all it imports but the plumbing named below).
+the packages below the stages import only downward (PACKAGES), and every stage's dvc.yaml deps list the code that
+decides its outputs (all it imports but the plumbing named below).
 
 Every `import pipeline.x` / `from pipeline.x import y` counts, at module level or inside a function
 (a lazy import still runs back up). `from pipeline.stages import SECTION` names the stage registry
@@ -82,7 +83,7 @@ def is_stage(module: str) -> bool:
 def test_the_graph_sees_the_known_imports() -> None:
     # a guard that the parser reads the imports at all (lazy ones included)
     assert "pipeline.extraction.engine" in GRAPH["pipeline.stages.extract"]
-    assert "pipeline.extraction.inputs" in GRAPH["pipeline.plan"]
+    assert "pipeline.extraction.inputs" in GRAPH["pipeline.planning.plan"]
     assert "pipeline.extraction.engine" in GRAPH["pipeline.extraction.ray"]  # inside a method
     assert "pipeline.stages" in GRAPH["pipeline.cli"]
 
@@ -101,6 +102,67 @@ def test_nothing_below_the_stages_imports_a_stage() -> None:
     assert not {m: n for m, n in climbs.items() if n}, "modules below the stages import stage modules"
 
 
+# The packages below the stages, highest first. A module in one imports, of pipeline, only its own package, the
+# packages after it in this list and the modules at pipeline/'s top (never a stage, the stage registry or the entry);
+# so no package imports upward and there is no circle between packages.
+PACKAGES = [
+    "pipeline.workflow",  # around `run <stage>`: launcher, output guard, invalidation, input checks, sweep, share
+    "pipeline.planning",  # `make plan`: the extraction's bytes, wall time and memory, verify's reference cost
+    "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
+    "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
+    "pipeline.extraction",  # the engine side of extract: inputs, capacity, output, engines, the vLLM glue
+    "pipeline.hidden_states",  # the shard format extract writes and the others read, its statistics, export
+]
+# The entry, above everything; nothing imports it.
+ENTRY = {"pipeline.__main__", "pipeline.cli"}
+# The base at pipeline/'s top: every package may import it, and it imports nothing but itself.
+BASE = {"pipeline.params", "pipeline.layout", "pipeline.errors", "pipeline.atomic", "pipeline.progress",
+        "pipeline.target", "pipeline.chat_data", "pipeline.int4"}
+
+
+def package_of(module: str) -> str | None:
+    """The package (pipeline.stages or one of PACKAGES) `module` belongs to, None for a module at the top."""
+    for p in ("pipeline.stages", *PACKAGES):
+        if module == p or module.startswith(p + "."):
+            return p
+    return None
+
+
+def test_the_packages_exist_and_hold_their_modules() -> None:
+    for p in PACKAGES:
+        assert p in MODULES and MODULES[p].name == "__init__.py", f"{p} is not a package"
+        assert any(package_of(m) == p and m != p for m in MODULES), f"{p} holds no module"
+
+
+def test_no_package_imports_upward() -> None:
+    """A package's modules import no stage, not the entry, and no package above them in PACKAGES."""
+    climbs = {}
+    for i, pkg in enumerate(PACKAGES):
+        allowed = set(PACKAGES[i:])
+        for m in (m for m in GRAPH if package_of(m) == pkg):
+            bad = sorted(n for n in GRAPH[m] if n in ENTRY or (q := package_of(n)) is not None and q not in allowed)
+            if bad:
+                climbs[m] = bad
+    assert climbs == {}, f"modules importing upward: {climbs}"
+
+
+def test_the_base_imports_only_the_base() -> None:
+    assert all(m in MODULES for m in BASE)
+    outside = {m: sorted(GRAPH[m] - BASE) for m in BASE if GRAPH[m] - BASE}
+    assert outside == {}, f"base modules importing beyond the base: {outside}"
+
+
+def test_no_import_circle_between_packages() -> None:
+    """The graph with each package drawn as one box (a module at the top as its own) has no circle."""
+    def box(m: str) -> str:
+        return package_of(m) or m
+
+    boxes: dict[str, set[str]] = {}
+    for m, ns in GRAPH.items():
+        boxes.setdefault(box(m), set()).update(box(n) for n in ns if box(n) != box(m))
+    assert find_cycle(boxes) is None, " -> ".join(find_cycle(boxes))
+
+
 # What a stage's dvc.yaml `deps:` may leave out of the code it imports: plumbing that moves or names things without
 # deciding what any stage computes (an edit to it must not re-run a GPU-day extraction) ...
 PLUMBING = {
@@ -110,14 +172,14 @@ PLUMBING = {
     "pipeline.params": "the params schema: every value a stage reads is a params.yaml key its `params:` list tracks",
     "pipeline.progress": "progress bars",
     "pipeline.target": "reads target.json (a dep through artifacts/model) and hashes files",
-    "pipeline.invalidation": "the table the `params:` lists follow",
+    "pipeline.workflow.invalidation": "the table the `params:` lists follow",
 }
 # ... and, per stage, modules imported for another stage's sake
 IMPORTED_ONLY = {
-    "check": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "regenerate": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "eval": {"pipeline.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "train": {"pipeline.shard_stats": "the statistics shards.py writes, not what it reads"},
+    "check": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "regenerate": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "eval": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "train": {"pipeline.hidden_states.stats": "the statistics the shard format writes, not what it reads"},
 }
 
 
@@ -147,3 +209,24 @@ def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
         if absent:
             missing[stage] = absent
     assert missing == {}, f"dvc.yaml deps lack the code that decides these stages' outputs: {missing}"
+
+
+def test_a_code_folder_in_deps_is_all_the_stages_code() -> None:
+    """A stage names a package folder in its deps only when every module in it is code the stage runs (else an edit
+    to a module it never imports would re-run it), and DVC leaves Python's byte-code caches out of folders."""
+    import yaml
+
+    stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]
+    loose = {}
+    for stage, spec in stages.items():
+        runs = closure(f"pipeline.stages.{stage}")
+        for d in (d for d in spec.get("deps", []) if isinstance(d, str) and d.startswith("pipeline")):
+            folder = PIPELINE.parent / d
+            if folder.is_dir():
+                unused = sorted(str(p.relative_to(PIPELINE.parent)) for p in folder.rglob("*.py")
+                                if p.name != "__init__.py" and module_name(p) not in runs)
+                if unused:
+                    loose[f"{stage}: {d}"] = unused
+    assert loose == {}, f"folders in dvc.yaml deps holding modules the stage does not run: {loose}"
+    ignored = (PIPELINE.parent / ".dvcignore").read_text().split()
+    assert "__pycache__/" in ignored, ".dvcignore must leave __pycache__/ out of the code folders dvc.yaml names"

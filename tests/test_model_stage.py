@@ -136,14 +136,14 @@ def test_embedded_deepseek_v3_builds_with_the_keys_vllm_needs(tmp_path, monkeypa
 def test_the_stage_trains_with_the_pinned_cpu_arithmetic_whatever_the_caller_set(tmp_path):
     """`python -m pipeline run model` as DVC runs it: ATEN_CPU_CAPABILITY / MKL_CBWR from the caller (or
     the machine's own choice) and the core count do not reach the training; the pins and the constant
-    thread count do, and metrics/model.json says so (pipeline/cpu_determinism.py)."""
+    thread count do, and metrics/model.json says so (pipeline/training/cpu_determinism.py)."""
     import os
     import subprocess
     import sys
 
     import yaml
 
-    from pipeline import cpu_determinism
+    from pipeline.training import cpu_determinism
 
     root = Path(__file__).resolve().parents[1]
     tiny = {"num_layers": 4, "hidden_size": 32, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 64,
@@ -165,7 +165,7 @@ def test_the_stage_trains_with_the_pinned_cpu_arithmetic_whatever_the_caller_set
 
 def test_pins_set_after_torch_is_imported_are_refused():
     """ATen and MKL read their variables once: a pin set after torch is loaded would silently not apply."""
-    from pipeline import cpu_determinism
+    from pipeline.training import cpu_determinism
 
     assert "torch" in sys.modules
     with pytest.raises(cpu_determinism.PinTooLate, match="set them before the stage's module is imported"):

@@ -51,8 +51,8 @@ def test_bad_params_name_the_key(tmp_path, override, words):
 
 def test_expert_parallel_reaches_vllm_only_when_set(tmp_path):
     """extract.expert_parallel (default off) becomes vLLM's enable_expert_parallel, with TP > 1."""
+    from pipeline.extraction.vllm_compat import engine_kwargs
     from pipeline.params import ExtractParams
-    from pipeline.vllm_compat import engine_kwargs
 
     assert load_params(ROOT / "params.yaml").extract.expert_parallel is False
     params = load_params(write_params(tmp_path, extract__expert_parallel=True, extract__tensor_parallel_size=2)).extract

@@ -1,4 +1,4 @@
-"""Capacity planning (pipeline/plan.py) and the extract stage's refusal to start without the space.
+"""Capacity planning (pipeline/planning/plan.py) and the extract stage's refusal to start without the space.
 
 The refusal is tested through the real CLI entry (`python -m pipeline run extract`, launcher
 included) in a child process, on a real filesystem too small for the projection (a tmpfs sized
@@ -19,9 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import layout, plan
+from pipeline import layout
 from pipeline.extraction import capacity
 from pipeline.params import Params
+from pipeline.planning import plan
 from tests.conftest import EXTRACT_PARAMS, copy_project
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -160,7 +161,7 @@ H200_RUNS = {
 @pytest.mark.parametrize("run", sorted(H200_RUNS))
 def test_time_model_at_the_default_write_rate_is_within_25_percent_of_the_h200_runs(run):
     from pipeline.params import PlanParams
-    from pipeline.plan_time import extraction_time
+    from pipeline.planning.extract_time import extraction_time
 
     tokens, tok_s, nbytes, shard, measured = H200_RUNS[run]
     t = extraction_time(tokens, tok_s, False, nbytes, shard, PlanParams().write_gb_per_s)
@@ -171,7 +172,7 @@ def test_time_model_at_the_default_write_rate_is_within_25_percent_of_the_h200_r
 
 
 def test_time_model_parts():
-    from pipeline.plan_time import extraction_time
+    from pipeline.planning.extract_time import extraction_time
 
     compute_bound = extraction_time(1000, 10.0, False, 10**9, 10**8, 1.0)
     assert compute_bound.bound == "compute" and compute_bound.seconds == pytest.approx(100 + 0.1)

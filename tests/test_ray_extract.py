@@ -24,10 +24,11 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.extraction import ray as ray_extract
 from pipeline.extraction import ray_fit
+from pipeline.hidden_states import format as shards
 from pipeline.params import ExtractParams
 from pipeline.target import sha256_file
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, copy_project, run_stage

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import shards
+from pipeline.hidden_states import format as shards
 from tests.test_dvc_invalidation import TINY, merge
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -158,7 +158,7 @@ def test_engine_start_failure_is_a_message_and_fixing_it_restores(project: Path)
     """A setting vLLM refuses at engine start (here a batch of more requests than tokens; on a GPU
     cluster memory, a parallel layout, a busy device): a message naming the params, and after the
     fix `dvc repro` restores the cached result the failed run had replaced."""
-    # engine tuning re-runs nothing (pipeline/invalidation.py), so the user forces the run
+    # engine tuning re-runs nothing (pipeline/workflow/invalidation.py), so the user forces the run
     set_param(project, "extract", "max_num_seqs", 4096)  # > extract.max_num_batched_tokens (512)
     t0 = time.monotonic()
     r = dvc(project, "repro", "-f", "-s", "extract")

@@ -22,11 +22,12 @@ import torch
 import yaml
 from safetensors import SafetensorError
 
-from pipeline import layout, shards
+from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.extraction.output import no_space_reason
-from pipeline.output_guard import lock_path
+from pipeline.hidden_states import format as shards
 from pipeline.target import sha256_file
+from pipeline.workflow.output_guard import lock_path
 from tests.conftest import EXTRACT_PARAMS, NUM_PREPARED, TINY, copy_project, run_stage
 
 REPO = Path(__file__).resolve().parents[1]
@@ -103,7 +104,7 @@ def test_second_concurrent_extract_is_refused_by_the_lock(extracted: Path, proje
 
 
 def test_lock_is_exclusive_and_released(tmp_path: Path, monkeypatch) -> None:
-    from pipeline.output_guard import output_locks
+    from pipeline.workflow.output_guard import output_locks
 
     monkeypatch.chdir(tmp_path)
     out = Path("artifacts/hidden_states")
@@ -290,9 +291,9 @@ def test_trust_remote_code_comes_from_the_target_only() -> None:
 
 
 def test_trust_remote_code_is_off_by_default(tmp_path: Path) -> None:
+    from pipeline.extraction.vllm_compat import engine_kwargs, generation_kwargs
     from pipeline.params import ModelParams
     from pipeline.target import Target
-    from pipeline.vllm_compat import engine_kwargs, generation_kwargs
 
     assert ModelParams().trust_remote_code is False
     assert Target(path=tmp_path, embedded=False, fingerprint={}).trust_remote_code is False

@@ -3,7 +3,7 @@ loopback) started and stopped here, the real stages on the TINY params of
 tests/test_dvc_invalidation.py, and fresh copies of the project holding only what git carries.
 
 - origin: `dvc repro`, `make push` (`dvc push --run-cache` + the data of every recorded run,
-  pipeline/share.py); then extract.layer_ids changed, repro, push again.
+  pipeline/workflow/share.py); then extract.layer_ids changed, repro, push again.
 - a teammate's fresh copy: `dvc pull` restores the outputs, `dvc repro` runs nothing; after
   `train.lr` changes only train and eval run.
 - another fresh copy (no cache) set back to the first, already pushed params: `dvc repro --pull`
@@ -124,7 +124,7 @@ def dvc(root: Path, *args: str) -> str:
 
 def share_push(root: Path) -> None:
     """`make push`."""
-    proc = subprocess.run([sys.executable, "-m", "pipeline.share", "push"], cwd=root, capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "pipeline.workflow.share", "push"], cwd=root, capture_output=True,
                           text=True, timeout=900, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and "warning" not in proc.stderr, proc.stdout + proc.stderr
 
@@ -206,7 +206,7 @@ def toy_project(root: Path, log: Path) -> Path:
 def test_push_sends_the_data_of_every_recorded_run(s3_endpoint, tmp_path, push):
     """Two runs (v=1, then v=2), one push; a fresh copy set back to v=1 restores it with `dvc repro
     --pull` after `make push`. After a plain `dvc push --run-cache` DVC 3.67 finds the run record
-    but not its data, and runs the stage (if a DVC upgrade changes that, pipeline/share.py can go)."""
+    but not its data, and runs the stage (if a DVC upgrade changes that, pipeline/workflow/share.py can go)."""
     log = tmp_path / "runs.log"
     origin = toy_project(tmp_path / "origin", log)
     add_remote(origin, s3_endpoint, f"toy-{push.split()[0]}")

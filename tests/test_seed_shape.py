@@ -17,10 +17,10 @@ import torch
 from safetensors import safe_open
 
 from pipeline import int4
+from pipeline.embedded.seed_shape import check_reference_budget, seed_config, write_seed_shape
 from pipeline.errors import PipelineError
 from pipeline.reference import load_references
 from pipeline.reference_cost import GIB, stream_plan
-from pipeline.seed_shape import check_reference_budget, seed_config, write_seed_shape
 from pipeline.streamed_reference import Checkpoint, choose_reference, stream_references
 from pipeline.target import check_model_dir, fingerprint_model_dir
 from tests.test_streamed_reference import SEQUENCES, assert_equal_references, rel_rms

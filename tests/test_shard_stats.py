@@ -1,4 +1,4 @@
-"""The per-layer statistics the extractor records (pipeline/shard_stats.py) against torch in float64,
+"""The per-layer statistics the extractor records (pipeline/hidden_states/stats.py) against torch in float64,
 and the comparison verify's audit makes between a record and the bytes."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import shard_stats
+from pipeline.hidden_states import stats as shard_stats
 
 
 def reference(x: torch.Tensor) -> np.ndarray:

@@ -144,9 +144,10 @@ def test_int4_target_model_extract_verify(tmp_path: Path):
     on such an EPYC) the check stage and extract refuse the target before an engine starts, saying
     so, and nothing is written (test_int4_streamed_equals_the_whole_dequantized_model still checks
     the reference's side there)."""
-    from pipeline import input_checks, vllm_compat
     from pipeline.errors import PipelineError
+    from pipeline.extraction import vllm_compat
     from pipeline.params import load_params
+    from pipeline.workflow import input_checks
     from tests.conftest import EXTRACT_PARAMS, make_prepared
 
     embedded = {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1, "intermediate_size": 128,
@@ -194,9 +195,9 @@ def test_int4_target_model_extract_verify(tmp_path: Path):
 def test_plan_projects_the_reference_at_kimi_scale():
     """`make plan` on the Kimi-K2.5-shaped example: INT4, so streamed; the checkpoint read once; the
     routed experts chunked to fit a smaller budget; a budget below one unit reported, not raised."""
-    from pipeline import plan
     from pipeline.params import load_params
-    from pipeline.reference_plan import project_reference
+    from pipeline.planning import plan
+    from pipeline.planning.reference import project_reference
 
     root = Path(__file__).resolve().parents[1]
     params = load_params(root / "params.yaml")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import layout, sweep
+from pipeline import layout
+from pipeline.workflow import sweep
 from tests.conftest import copy_project, run_stage
 from tests.tiny_project import make_project
 

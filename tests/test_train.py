@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import cpu_determinism, layout, shards, speculators_cpu
-from pipeline.draft import final_draft
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.stages import train
+from pipeline.training import cpu_determinism, speculators_cpu
+from pipeline.training.draft import final_draft
 from tests.conftest import copy_project, run_stage
 from tests.tiny_project import write_verdict
 
@@ -104,7 +106,7 @@ def test_unverified_hidden_states_are_rejected(extracted: Path, project_root: Pa
 # The stage with one override left out, in a fresh process: an in-process vLLM CPU engine (the
 # extract fixture runs one) replaces torch.accelerator.synchronize and Tensor.pin_memory for good.
 WITHOUT_ONE = (
-    "import functools, sys; from pipeline import speculators_cpu as c; from pipeline.cli import main; "
+    "import functools, sys; from pipeline.training import speculators_cpu as c; from pipeline.cli import main; "
     "c.cpu_training = functools.partial(c.cpu_training, skip={sys.argv[1]}); main(['train'])"
 )
 

@@ -20,11 +20,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import layout, torchrun
+from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.params import TrainParams
 from pipeline.stages import train
-from pipeline.train_data import index_shards, split_refs
+from pipeline.training import torchrun
+from pipeline.training.data import index_shards, split_refs
 from tests.tiny_project import make_project
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,7 +40,8 @@ import os
 if "LOCAL_RANK" in os.environ and os.environ.get("{TRACE_ENV}"):
     import transformers
     from speculators.train.distributed_batch_sampler import MultipackDistributedBatchSamplerV2 as Sampler
-    from pipeline import atomic, train_data
+    from pipeline import atomic
+    from pipeline.training import data as train_data
 
     trace = open(os.environ["{TRACE_ENV}"] + "." + os.environ["RANK"], "a", buffering=1)
     epoch = [None]
@@ -124,7 +126,7 @@ def epoch_metrics(root: Path, epoch: int) -> dict:
 # --- the command line, the rendezvous (no processes) ---------------------------------------------
 
 JOB, LOGS = Path("artifacts/.train/node0"), Path("artifacts/.train/node0/logs")
-TAIL = ["--max-restarts=0", f"--log-dir={LOGS}", "--redirects=3", "--tee=3", "-m", "pipeline.train_worker", str(JOB)]
+TAIL = ["--max-restarts=0", f"--log-dir={LOGS}", "--redirects=3", "--tee=3", "-m", "pipeline.training.worker", str(JOB)]
 
 
 def test_torchrun_command_one_node_of_8_gpus() -> None:
@@ -175,12 +177,12 @@ STOCK_SETUP = (
 @pytest.mark.slow
 def test_stock_distributed_setup_needs_an_accelerator() -> None:
     """Why speculators_cpu.setup_distributed exists: speculators' own set-up fails under torchrun on CPU."""
-    if not __import__("pipeline.speculators_cpu").speculators_cpu.needed():
+    if not __import__("pipeline.training.speculators_cpu").training.speculators_cpu.needed():
         pytest.skip("an accelerator is present")
     env = {**os.environ, "LOCAL_RANK": "0", "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
     out = subprocess.run([sys.executable, "-c", STOCK_SETUP], env=env, capture_output=True, text=True)
     assert out.returncode != 0 and "Cannot access accelerator device when none is available" in out.stderr
-    ours = "from pipeline.speculators_cpu import setup_distributed as s; s(); import torch.distributed as d; print(d.get_backend())"
+    ours = "from pipeline.training.speculators_cpu import setup_distributed as s; s(); import torch.distributed as d; print(d.get_backend())"
     out = subprocess.run([sys.executable, "-c", ours], env={**env, "MASTER_PORT": "29531"}, capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.split()[-1] == "gloo", out.stderr[-2000:]
 

@@ -13,11 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from pipeline import layout, shard_stats
+from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.format import complete_shards, manifest_path, read_meta, write_meta
 from pipeline.params import VerifyParams
 from pipeline.reference import ReferenceModel
-from pipeline.shards import complete_shards, manifest_path, read_meta, write_meta
 from pipeline.stages.verify import audit_selection
 from pipeline.target import load_target, sha256_file
 from tests.conftest import build_tiny_llama, copy_project, run_stage
@@ -381,8 +382,8 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     """Spans of positions (strided slice copies) and scattered ones (a gather) read the same rows."""
     import numpy as np
 
+    from pipeline.hidden_states.format import read_header
     from pipeline.host_staging import HostStaging
-    from pipeline.shards import read_header
     from pipeline.verify_scan import _ShardView, read_final_rows
 
     path = shards(project)[0]

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import shard_stats
+from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.format import Sample, read_header, write_shard
 from pipeline.shard_view import ShardView
-from pipeline.shards import Sample, read_header, write_shard
 from pipeline.target import sha256_file
 from pipeline.verify_audit import read_in_full
 

@@ -1,5 +1,5 @@
 """Every sample judged on its own (issue 18): each fault class is planted into ONE sample of one
-shard of a clean, real vLLM extraction, through `pipeline.shards.write_shard` (so sha256, sizes and
+shard of a clean, real vLLM extraction, through `pipeline.hidden_states.format.write_shard` (so sha256, sizes and
 the recorded per-sample statistics agree with the wrong data), into a sample that is not among the
 reference samples; verify must fail naming that shard, sample and layer. Clean data raises nothing."""
 
@@ -13,8 +13,8 @@ import torch
 
 from pipeline import layout
 from pipeline.errors import PipelineError
+from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
 from pipeline.params import VerifyParams
-from pipeline.shards import Sample, complete_shards, load_sample, read_manifest, write_shard
 from pipeline.verify_reference_check import reference_selection
 from tests.conftest import copy_project, run_stage
 

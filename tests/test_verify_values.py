@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from pipeline import shard_stats
+from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.format import Sample, manifest_path, read_header, write_shard
 from pipeline.shard_view import ShardView
-from pipeline.shards import Sample, manifest_path, read_header, write_shard
 from pipeline.verify_values import bad_values, suspect_layers
 
 LAYER_IDS = [2, 16, 29]

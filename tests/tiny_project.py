@@ -14,7 +14,8 @@ import yaml
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from pipeline import layout, shards
+from pipeline import layout
+from pipeline.hidden_states import format as shards
 from pipeline.target import Target, fingerprint_model_dir, write_target
 
 NUM_LAYERS = 8

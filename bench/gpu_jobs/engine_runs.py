@@ -35,7 +35,7 @@ def _patch_eager_for_moe(state: dict, name: str) -> None:
     seed (issue 28) runs eager too, extraction and plain prefill alike (same settings: the ratio holds),
     so that both engines start within one 600 s call.
     `--eager` puts the dense runs in eager mode too (start-up ~1 min shorter; tok/s not the compiled one)."""
-    from pipeline import vllm_compat
+    from pipeline.extraction import vllm_compat
 
     # the verifyall job's "dense" stage is issue 4's timed baseline: always compiled
     if model_of(state, name) not in ("moe", "seed") and (not state.get("eager") or name == "dense"):
@@ -69,7 +69,8 @@ TL: dict = {}
 
 def _instrument() -> None:
     """Timeline of the stage from outside its code: engine ready, requests added/finished, shard writes."""
-    from pipeline import shards, vllm_compat
+    from pipeline.extraction import vllm_compat
+    from pipeline.hidden_states import format as shards
 
     E = vllm_compat.HiddenStatesEngine
     orig_init, orig_add, orig_step, orig_generate = E.__init__, E.add, E.step, E.generate

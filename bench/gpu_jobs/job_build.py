@@ -11,7 +11,7 @@ from gpu_jobs.common import device, log, shape_of
 
 
 def job_build(state: dict, name: str) -> dict:
-    if name == "seed":  # its own writer (pipeline/seed_shape.py): INT4 experts, written shard by shard
+    if name == "seed":  # its own writer (pipeline/embedded/seed_shape.py): INT4 experts, written shard by shard
         from gpu_jobs.job_seed import job_seed_build
 
         return job_seed_build(state, name)

@@ -11,7 +11,7 @@ from gpu_jobs.common import device, log
 
 def _shard_index(hs_dir: Path) -> tuple[dict[int, Path], dict[str, str]]:
     """sample id -> shard file, and shard file name -> its sha256 (from the manifests)."""
-    from pipeline import shards
+    from pipeline.hidden_states import format as shards
 
     where, digests = {}, {}
     for p in shards.complete_shards(hs_dir):
@@ -30,7 +30,8 @@ def job_compare(state: dict, name: str) -> dict:
     import torch.nn.functional as F
     from safetensors import safe_open
 
-    from pipeline import layout, shards
+    from pipeline import layout
+    from pipeline.hidden_states import format as shards
 
     base = state[f"base_{name}"]
     dirs = {r: Path(state[f"project_{r}"]) / layout.HIDDEN_STATES_DIR for r in (name, base)}

@@ -42,7 +42,7 @@ def free_port() -> int:
 
 def server_command(state: dict, name: str, model: Path, storage: Path, port: int, max_model_len: int) -> list[str]:
     """`vllm serve` as speculators' launch script builds it, with our extract stage's engine arguments."""
-    from pipeline import vllm_compat
+    from pipeline.extraction import vllm_compat
 
     params = _engine_params(state, name)
     kw = vllm_compat.engine_kwargs(
@@ -98,7 +98,8 @@ def compare_with_ours(proj: Path, peer_out: Path, phases: list[str]) -> dict:
     import torch
     from safetensors.torch import load_file
 
-    from pipeline import layout, shards
+    from pipeline import layout
+    from pipeline.hidden_states import format as shards
 
     wanted = [i for ph in sorted(set(phases)) for i in [k for k, p in enumerate(phases) if p == ph][:COMPARED_SAMPLES]]
     where = {sid: path for path in shards.complete_shards(proj / layout.HIDDEN_STATES_DIR)
@@ -124,7 +125,8 @@ def compare_with_ours(proj: Path, peer_out: Path, phases: list[str]) -> dict:
 def job_peer(state: dict, name: str) -> dict:
     import datasets
 
-    from pipeline import layout, vllm_compat
+    from pipeline import layout
+    from pipeline.extraction import vllm_compat
 
     proj = Path(state[f"project_{name}"])
     work = Path(state["work"]) / f"peer-{name}"

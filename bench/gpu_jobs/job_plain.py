@@ -12,7 +12,7 @@ from gpu_jobs.engine_runs import _engine_params, _patch_eager_for_moe
 
 def job_plain(state: dict, name: str) -> dict:
     """Plain prefill on the same engine settings, extraction off."""
-    from pipeline import vllm_compat
+    from pipeline.extraction import vllm_compat
 
     _patch_eager_for_moe(state, name)  # the stage's engine settings, eager where the stage's is
     proj = Path(state[f"project_{name}"])

@@ -1,6 +1,6 @@
 """bench job seed (issue 28): the seed's shape (Kimi-K2.5 width, INT4 routed experts, a short depth) end to end.
 
-Steps (parent.Bench.run_seed): build:seed (pipeline.seed_shape on the GPU, written shard by shard)
+Steps (parent.Bench.run_seed): build:seed (pipeline.embedded.seed_shape on the GPU, written shard by shard)
 -> plan:seed (`make plan`'s projection for the same params, made before anything is measured) ->
 stage:seed (our extract stage, bf16 states) -> plain:seed (plain prefill, same engine settings) ->
 plan:seed_after (the plan again, at plain prefill's measured rate) -> verify:seed (the verify stage
@@ -22,7 +22,7 @@ def job_seed_build(state: dict, name: str) -> dict:
     """The seed-shape checkpoint, made on the GPU (CPU in smoke mode) and written shard by shard."""
     import shutil
 
-    from pipeline.seed_shape import write_seed_shape
+    from pipeline.embedded.seed_shape import write_seed_shape
     from pipeline.target import fingerprint_model_dir
 
     out = Path(state["models"]) / name
@@ -41,10 +41,10 @@ def job_seed_build(state: dict, name: str) -> dict:
 
 
 def job_seed_plan(state: dict, name: str) -> dict:
-    """`make plan` for the seed project's params (pipeline.plan.build_plan in the project, no calibration)."""
+    """`make plan` for the seed project's params (pipeline.planning.plan.build_plan in the project, no calibration)."""
     from gpu_jobs.engine_runs import _engine_params
     from pipeline.params import DataParams, Params, VerifyParams
-    from pipeline.plan import build_plan
+    from pipeline.planning.plan import build_plan
 
     workload = name.removesuffix("_after")
     proj = Path(state[f"project_{workload}"])

@@ -29,7 +29,7 @@ def job_tune(state: dict, name: str) -> dict:
     shard threads); later runs get the same engine back from `HiddenStatesEngine(...)` and only
     change what is named: the shard-thread count, or the extract stage as committed before.
     """
-    from pipeline import vllm_compat
+    from pipeline.extraction import vllm_compat
 
     _instrument()
     E = vllm_compat.HiddenStatesEngine

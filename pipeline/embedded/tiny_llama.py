@@ -19,11 +19,11 @@ import torch
 import torch.nn.functional as F
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerBase
 
-from pipeline import cpu_determinism
 from pipeline.embedded import corpus
 from pipeline.embedded.tokenizer import save_tokenizer
 from pipeline.params import EmbeddedModelParams
 from pipeline.progress import progress
+from pipeline.training import cpu_determinism
 
 # conversations (another seed of the corpus generator) the trained target's accuracy is measured on
 UNSEEN_CONVERSATIONS = 64
@@ -83,7 +83,7 @@ def train(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, starts:
         autocast = torch.autocast("cuda", dtype=torch.bfloat16)
         opt_kwargs = {"fused": True}
     else:
-        # a constant on every machine, not the cores: the weights depend on it (pipeline/cpu_determinism.py)
+        # a constant on every machine, not the cores: the weights depend on it (pipeline/training/cpu_determinism.py)
         torch.set_num_threads(threads)
         autocast, opt_kwargs = contextlib.nullcontext(), {}
     T = p.train_seq_len

@@ -2,7 +2,7 @@
 
 Used before any GPU time is spent, by the extract stage (it refuses to start when the shards still
 to write and vLLM's scratch files do not fit, pipeline/extraction/output.py) and by
-`python -m pipeline plan` (pipeline/plan.py), which also projects wall time and memory.
+`python -m pipeline plan` (pipeline/planning/plan.py), which also projects wall time and memory.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Overhead:
 
 def measure_overhead(shard_dir: Path | None, num_layers: int, hidden: int, dtype: str, samples_per_shard: int) -> Overhead:
     """Measure on the first complete shard in `shard_dir`; else write one with the real writer."""
-    from pipeline import shards
+    from pipeline.hidden_states import format as shards
 
     for path in shards.complete_shards(shard_dir) if shard_dir and shard_dir.is_dir() else []:
         m = shards.read_manifest(path)
@@ -74,7 +74,7 @@ def measure_overhead(shard_dir: Path | None, num_layers: int, hidden: int, dtype
         m = shards.write_shard(Path(tmp), 0, samples, extra)
         total = m["bytes"] + shards.manifest_path(Path(tmp) / m["file"]).stat().st_size
     per_token = num_layers * hidden * DTYPE_BYTES[dtype] + IDS_MASK_BYTES
-    return Overhead((total - per_token * n) / n, f"measured on a {n}-sample shard written by pipeline/shards.py (no real shard yet)")
+    return Overhead((total - per_token * n) / n, f"measured on a {n}-sample shard written by pipeline/hidden_states/format.py (no real shard yet)")
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,7 @@ def disk_need(out: Path, proj: Projection, todo_fraction_tokens: int, todo_sampl
 def existing_work(out: Path, run_key: str | None) -> tuple[set[int], int, int]:
     """(indices of complete shards of run `run_key` the stage keeps, their bytes, bytes of the other
     shard files it deletes first), as `extraction.output.prepare_output_dir` decides."""
-    from pipeline import shards
+    from pipeline.hidden_states import format as shards
 
     if not out.is_dir():
         return set(), 0, 0

@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-from pipeline import shard_stats, shards, vllm_compat
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.extraction.inputs import ShardPlan
+from pipeline.hidden_states import format as shards
+from pipeline.hidden_states import stats as shard_stats
 from pipeline.params import ExtractParams
 from pipeline.progress import progress
 from pipeline.target import Target

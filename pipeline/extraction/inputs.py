@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from pipeline import shards
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.layout import PREPARED_DATASET
 from pipeline.params import ExtractParams
 from pipeline.target import Target

@@ -5,11 +5,11 @@ from __future__ import annotations
 import errno
 from pathlib import Path
 
-from pipeline import shards
 from pipeline.atomic import remove_stale_temps
 from pipeline.errors import PipelineError
 from pipeline.extraction import capacity
 from pipeline.extraction.inputs import ShardPlan, log
+from pipeline.hidden_states import format as shards
 from pipeline.params import ExtractParams
 from pipeline.target import Target
 

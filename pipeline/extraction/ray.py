@@ -36,10 +36,10 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from pipeline import shards
 from pipeline.errors import PipelineError
 from pipeline.extraction.ray_fit import ReplicaShape, alive_nodes, replica_shape
 from pipeline.extraction.ray_replica import ShardReplica, engine_env
+from pipeline.hidden_states import format as shards
 from pipeline.params import ExtractParams
 from pipeline.progress import progress
 

@@ -9,9 +9,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline import shards
 from pipeline.errors import PipelineError
 from pipeline.extraction.ray_fit import ReplicaShape
+from pipeline.hidden_states import format as shards
 
 
 class ShardReplica:

@@ -6,7 +6,7 @@ report and the `cache: false` metrics, which no cache can restore. This stage co
 Every other stage depends on its output, and its `params:` is the whole of params.yaml, so any edit
 runs it before anything else; when it refuses, `dvc repro` stops there and every finished output
 stays as it was. A valid edit writes the very same bytes again (CHECKED), so the check alone never
-makes another stage run: what does run is what pipeline/invalidation.py says.
+makes another stage run: what does run is what pipeline/workflow/invalidation.py says.
 
 What it refuses: any schema error (pipeline/params.py), a missing or empty `data.path`, a model
 directory that is not one, layer ids beyond the target, and what the target cannot serve: a
@@ -19,9 +19,9 @@ layer count, and more devices than this host has. The target's shape comes from
 from __future__ import annotations
 
 from pipeline.atomic import atomic_write_text
-from pipeline.input_checks import CHECKED_TEXT, CheckFailed, problems
 from pipeline.layout import CHECKED
 from pipeline.params import Params
+from pipeline.workflow.input_checks import CHECKED_TEXT, CheckFailed, problems
 
 
 def run(params: Params) -> None:

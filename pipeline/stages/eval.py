@@ -17,13 +17,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline import vllm_compat
 from pipeline.atomic import atomic_write_text
-from pipeline.draft import final_draft
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS, TRAIN_METRICS
 from pipeline.params import EvalParams
 from pipeline.target import Target, load_target
+from pipeline.training.draft import final_draft
 
 EVAL_METRICS = METRICS / "eval.json"
 EVAL_REPORT = REPORTS / "eval.md"
@@ -58,7 +58,7 @@ def engine_main(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from pipeline.vllm_compat import cpu_mla_overrides
+    from pipeline.extraction.vllm_compat import cpu_mla_overrides
 
     # an MLA (DeepSeek-V3-shaped) target on CPU: the exact rotary, and a step budget that fits a whole prompt
     mla = cpu_mla_overrides(Path(spec["target"]), spec["max_model_len"], None, "eval")

@@ -15,15 +15,17 @@ import json
 import socket
 import time
 
-from pipeline import invalidation, shards, vllm_compat
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.extraction.engine import Progress, extract_shards
 from pipeline.extraction.inputs import dataset_hash, log, open_prepared, plan_shards, run_key_fields
 from pipeline.extraction.output import check_free_space, no_space_reason, prepare_output_dir
+from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS
 from pipeline.params import ExtractParams, resolve_layer_ids
 from pipeline.target import load_target, sha256_json
+from pipeline.workflow import invalidation
 
 METRICS_FILE = METRICS / "extract.json"
 
@@ -97,7 +99,7 @@ def _run(params: ExtractParams, cluster=None) -> None:
         "model_files_sha256": target.fingerprint.get("files", {}),
         "prepared_dataset_sha256": key_fields["prepared_dataset_sha256"],
         # only the keys that define the shards: tuning (batch sizes, parallelism, memory) goes to metrics,
-        # so a run with other tuning writes the same bytes (pipeline/invalidation.py)
+        # so a run with other tuning writes the same bytes (pipeline/workflow/invalidation.py)
         "params": invalidation.output_params(params, "extract", "extract"),
         "world_size": params.world_size,
         "samples_per_shard": params.samples_per_shard,

@@ -14,7 +14,6 @@ from pathlib import Path
 
 from datasets import Dataset, Features, List, Value
 
-from pipeline import invalidation
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
 from pipeline.layout import (
@@ -28,6 +27,7 @@ from pipeline.layout import (
 )
 from pipeline.params import DataParams
 from pipeline.target import load_target, sha256_file, sha256_json
+from pipeline.workflow import invalidation
 
 METRICS_JSON = METRICS / "prepare.json"
 FEATURES = Features({

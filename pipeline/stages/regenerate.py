@@ -8,7 +8,7 @@ from the conversation so far, earlier turns already regenerated; user and system
 prepare then reads `artifacts/regenerated/conversations.jsonl` instead of `data.path`.
 
 Work is checkpointed every `conversations_per_chunk` conversations (chunk files under the
-resumable output, pipeline/launcher.py), so a killed run resumes after its last complete chunk.
+resumable output, pipeline/workflow/launcher.py), so a killed run resumes after its last complete chunk.
 With regeneration off the stage only writes `regenerate.json` saying so (instant).
 """
 
@@ -21,11 +21,11 @@ from pathlib import Path
 
 from pipeline.atomic import atomic_write_text, remove_stale_temps
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
-from pipeline.invalidation import regenerated_params
 from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR, REGENERATED_META
 from pipeline.params import DataParams, RegenerateParams
 from pipeline.progress import progress
 from pipeline.target import load_target, sha256_file, sha256_json
+from pipeline.workflow.invalidation import regenerated_params
 
 METRICS_JSON = METRICS / "regenerate.json"
 RUN_JSON = REGENERATED_DIR / "run.json"
@@ -118,7 +118,7 @@ class GenerationEngine:
     """The target in vLLM for plain generation (token ids in, token ids out)."""
 
     def __init__(self, target, cfg: RegenerateParams, seq_len: int) -> None:
-        from pipeline import vllm_compat
+        from pipeline.extraction import vllm_compat
 
         self.cfg, self.seq_len, self.model_path = cfg, seq_len, target.path
         vllm_compat.configure_process_env(cfg.cpu_kvcache_gib, target.path, seq_len)

@@ -5,7 +5,7 @@ DRAFT_DIR/final.json names the last epoch's. A killed run resumes from its last 
 a run key (params + data + target) makes a changed input start afresh instead.
 
 train.nproc_per_node x train.nnodes > 1: the stage is this node's torchrun agent
-(pipeline/torchrun.py) and the ranks run pipeline/train_worker.py under DDP; node 0 prepares
+(pipeline/training/torchrun.py) and the ranks run pipeline/training/worker.py under DDP; node 0 prepares
 the draft directory and, after its ranks are done, writes the metrics and final.json.
 """
 
@@ -25,9 +25,9 @@ from speculators.train.config import TrainConfig
 from speculators.train.logger import setup_root_logger
 from speculators.train.vocab_mapping import build_vocab_mappings_from_distribution
 
-from pipeline import cpu_determinism, shards, speculators_cpu, torchrun
 from pipeline.atomic import atomic_write_text, open_up_to_umask
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.layout import (
     ARTIFACTS,
     DRAFT_DIR,
@@ -40,7 +40,8 @@ from pipeline.layout import (
 )
 from pipeline.params import TrainParams
 from pipeline.target import Target, load_target, sha256_file, sha256_json
-from pipeline.train_worker import EPOCH_METRICS, train_here, write_job
+from pipeline.training import cpu_determinism, speculators_cpu, torchrun
+from pipeline.training.worker import EPOCH_METRICS, train_here, write_job
 
 RUN_KEY = DRAFT_DIR / "run_key.json"
 RUN_DIR = ARTIFACTS / ".train"  # per node: the job torchrun's ranks read and their logs; not an output

@@ -27,10 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
+from pipeline.hidden_states.format import read_meta
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, VERIFY_VERDICT
 from pipeline.params import VerifyParams
 from pipeline.reference import FinalHeadModel, load_final_head, load_references
-from pipeline.shards import read_meta
 from pipeline.streamed_reference import choose_reference, shard_sequences, stream_references
 from pipeline.target import load_target
 from pipeline.verify_fit import load_embedding

@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from speculators.train.data import BaseDataset
 
-from pipeline import shards
+from pipeline.hidden_states import format as shards
 
 
 @dataclass(frozen=True)

@@ -38,9 +38,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from pipeline import shards
 from pipeline.atomic import TMP_MARK, fsync_dir
 from pipeline.errors import PipelineError
+from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR
 
 FORMATS = ("speculators-0.3", "speculators-0.9")

@@ -11,7 +11,7 @@
 - the **wall time** at the tokens/s of the last extraction on this machine (metrics/extract.json),
   else of a short calibration run of `plan.calibration_samples` samples (the real engine); at an
   engine rate given with `--tok-per-s`, the longer of the compute and the shard writes at
-  `plan.write_gb_per_s`, plus the last shard's write (pipeline/plan_time.py);
+  `plan.write_gb_per_s`, plus the last shard's write (pipeline/planning/extract_time.py);
 - the **memory** the engine takes: weights (the checkpoint's size) + KV cache, on the GPU at
   `extract.gpu_memory_utilization` of each GPU's memory, on CPU weights + `extract.cpu_kvcache_gib`.
 
@@ -42,8 +42,8 @@ from pipeline.extraction.capacity import (
     measure_overhead,
 )
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, REPORTS
-from pipeline.plan_time import ExtractionTime, extraction_time, largest_shard
-from pipeline.reference_plan import ReferenceProjection, add_rows, project_reference
+from pipeline.planning.extract_time import ExtractionTime, extraction_time, largest_shard
+from pipeline.planning.reference import ReferenceProjection, add_rows, project_reference
 
 CALIBRATION_FILE = METRICS / "plan_calibration.json"
 PLAN_JSON = REPORTS / "plan.json"
@@ -81,10 +81,10 @@ def calibrate(params, samples: int) -> Throughput:
     """A real, short extraction of the first `samples` prepared samples into a temporary directory."""
     import time
 
-    from pipeline import shards
     from pipeline.atomic import atomic_write_text
     from pipeline.extraction.engine import extract_shards
     from pipeline.extraction.inputs import open_prepared, plan_shards
+    from pipeline.hidden_states import format as shards
     from pipeline.params import resolve_layer_ids
     from pipeline.target import load_target
 

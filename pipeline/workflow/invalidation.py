@@ -15,7 +15,7 @@ define the shards (`output_params`), and regenerate.json only those that define 
 
 Every stage also depends on the `check` stage, whose `params:` is all of params.yaml: any edit runs
 it first (seconds); a valid edit leaves its output as it was, so nothing else runs for it, and an
-invalid one stops `dvc repro` before DVC deletes any stage's outputs (pipeline/stages/check.py, pipeline/input_checks.py).
+invalid one stops `dvc repro` before DVC deletes any stage's outputs (pipeline/stages/check.py, pipeline/workflow/input_checks.py).
 
 tests/test_dvc_invalidation.py holds this table against the schema (every key classified), against
 dvc.yaml (every list exactly this table) and against real DVC runs; docs/ARCHITECTURE.md shows it.
@@ -175,7 +175,7 @@ def stages_text(rule: Rule) -> str:
 
 
 def markdown_table() -> str:
-    """The table as docs/ARCHITECTURE.md shows it: `python -m pipeline.invalidation` prints it."""
+    """The table as docs/ARCHITECTURE.md shows it: `python -m pipeline.workflow.invalidation` prints it."""
     rows = ["| key | re-runs (then what its changed outputs feed) | why |", "| --- | --- | --- |"]
     rows += [f"| `{key}` | {stages_text(rule)} | {rule.why} |" for key, rule in RERUNS.items()]
     return "\n".join(rows)
@@ -186,6 +186,6 @@ if __name__ == "__main__":
 
 
 def regenerated_params(params: BaseModel) -> dict:
-    """data.regenerate's keys that define the regenerated data (pipeline/invalidation.py): not engine tuning or chunking."""
+    """data.regenerate's keys that define the regenerated data (pipeline/workflow/invalidation.py): not engine tuning or chunking."""
     flat = output_params(params, "data", "regenerate")
     return {k.removeprefix("regenerate."): v for k, v in flat.items() if k.startswith("regenerate.")}

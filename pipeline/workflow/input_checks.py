@@ -14,8 +14,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline import vllm_compat
 from pipeline.errors import PipelineError
+from pipeline.extraction import vllm_compat
 from pipeline.params import Params, ParamsError, resolve_layer_ids
 from pipeline.target import check_model_dir
 
@@ -134,7 +134,7 @@ def problems(params: Params) -> list[str]:
 
 def int4_problems(params: Params) -> list[str]:
     """A weight-only INT4 target on a host whose engines run on the CPU, where vLLM's CPU build may lack
-    the kernel (pipeline/vllm_compat.py): refused here, not by the extract engine's first step."""
+    the kernel (pipeline/extraction/vllm_compat.py): refused here, not by the extract engine's first step."""
     m = params.model
     if m.is_embedded:
         int4, key = m.embedded.quantization == "w4a16", "model.embedded.quantization: w4a16"

@@ -27,7 +27,7 @@ import torch
 from pipeline import int4
 from pipeline.errors import PipelineError
 
-KIMI_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "kimi-k2.5-config.json"
+KIMI_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "kimi-k2.5-config.json"
 # what vLLM and transformers read from a DeepSeek-V3-class config beyond the example's shape fields
 # (the values of the real Kimi-K2 / K2.5 configs); rope is plain (the real one is YaRN): costs are the same
 RUNTIME_KEYS = {

@@ -24,7 +24,7 @@ from torch.distributed.run import parse_args, run
 from pipeline.errors import PipelineError
 from pipeline.params import TrainParams
 
-WORKER_MODULE = "pipeline.train_worker"
+WORKER_MODULE = "pipeline.training.worker"
 DEFAULT_MASTER_PORT = 29500  # torchrun's own default
 # where the endpoint lives, not what is trained: left out of the run key (and DVC's train params)
 RENDEZVOUS_FIELDS = frozenset({"master_addr", "master_port", "node_rank"})

@@ -8,7 +8,7 @@ A shard is one safetensors file holding `samples_per_shard` samples, each as thr
 
 plus a JSON manifest beside it (`shard-NNNNN.json`) that is written *after* the data file, so a
 manifest on disk means its shard is complete. The manifest records each sample's per-layer
-statistics (pipeline/shard_stats.py), computed from the tensors as they are written. The
+statistics (pipeline/hidden_states/stats.py), computed from the tensors as they are written. The
 run-level `extract_meta.json` records what the shards are of (model, data, layer ids and their
 convention) so stale shards are never mixed into a resumed run.
 """
@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pipeline import shard_stats
 from pipeline.atomic import atomic_path, atomic_write_text
+from pipeline.hidden_states import stats as shard_stats
 from pipeline.target import sha256_file
 
 FORMAT_NAME = "eagle3-pipeline/hidden-states"

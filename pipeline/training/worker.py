@@ -1,5 +1,5 @@
 """One rank of speculators' EAGLE-3 trainer: what the train stage runs in its own process, or in
-each process `torchrun` starts (`python -m pipeline.train_worker JOB_DIR`, pipeline/torchrun.py).
+each process `torchrun` starts (`python -m pipeline.training.worker JOB_DIR`, pipeline/training/torchrun.py).
 
 Every rank builds the same draft (speculators broadcasts rank 0's initial weights), reads its
 part of each epoch's samples through speculators' own distributed packing sampler
@@ -32,12 +32,12 @@ from speculators.train.distributed import get_rank, get_world_size, maybe_destro
 from speculators.train.logger import setup_root_logger
 from speculators.train.trainer import Trainer, TrainerConfig
 
-from pipeline import cpu_determinism, speculators_cpu
 from pipeline.atomic import atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.layout import DRAFT_DIR, HIDDEN_STATES_DIR
 from pipeline.params import TrainParams
-from pipeline.train_data import ShardDataset, index_shards, split_refs
+from pipeline.training import cpu_determinism, speculators_cpu
+from pipeline.training.data import ShardDataset, index_shards, split_refs
 
 EPOCH_METRICS = "epoch_metrics.json"  # written into each <epoch>/ dir; with training_state.json marks it complete
 JOB_FILE = "job.json"  # what the stage hands each torchrun rank: params, speculators config, vocab size

@@ -111,7 +111,7 @@ def kv_transfer_config(scratch_dir: Path) -> dict[str, Any]:
         "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
     }
     if not on_cuda():
-        from pipeline import hs_connector
+        from pipeline.extraction import hs_connector
 
         cfg["kv_connector"] = hs_connector.CONNECTOR_NAME
         cfg["kv_connector_module_path"] = hs_connector.__name__

@@ -7,7 +7,7 @@ a teammate's `dvc repro --pull` then finds the record, misses the data ("Some of
 do not exist neither locally nor on remote") and runs the stage instead of restoring it. This
 pushes that data too (what DVC 2 did), from the local cache to the same remote.
 
-    python -m pipeline.share push [-r REMOTE] [-j JOBS]
+    python -m pipeline.workflow.share push [-r REMOTE] [-j JOBS]
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def push(remote: str | None = None, jobs: int | None = None, root: str | None = 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m pipeline.share", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m pipeline.workflow.share", description=__doc__.splitlines()[0])
     ap.add_argument("command", choices=["push"])
     ap.add_argument("-r", "--remote", default=None, help="remote name (default: the default remote)")
     ap.add_argument("-j", "--jobs", type=int, default=None)

@@ -10,7 +10,7 @@ stage code that runs is the working tree's, not the copy installed in the image.
 `launch_argv` is a pure function of the params and a `Host` snapshot; tests/test_launcher.py
 asserts its exact output. `launch` is the impure part (reads the host, prepares mounts, execs).
 
-Resumable outputs and the lock against a second run: pipeline/output_guard.py.
+Resumable outputs and the lock against a second run: pipeline/workflow/output_guard.py.
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pipeline import layout
 from pipeline.errors import PipelineError
-from pipeline.output_guard import output_locks, prune_partials, resumable_outputs
 from pipeline.params import Params, RuntimeParams
+from pipeline.workflow.output_guard import output_locks, prune_partials, resumable_outputs
 
 IN_CONTAINER = "EAGLE3_IN_CONTAINER"
 IMAGE_REPO = "eagle3-pipeline"
@@ -49,7 +49,7 @@ PASS_ENV = (
     "TRANSFORMERS_OFFLINE",
 )
 PASS_ENV_PREFIXES = ("VLLM_", "NCCL_")
-# stage -> outputs a killed run resumes from (pipeline/output_guard.py)
+# stage -> outputs a killed run resumes from (pipeline/workflow/output_guard.py)
 RESUMABLE: dict[str, tuple[Path, ...]] = {"extract": (layout.HIDDEN_STATES_DIR,), "regenerate": (layout.REGENERATED_DIR,)}
 
 
@@ -222,13 +222,13 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m pipeline.launcher image|recipe|tag|shell` for the Makefile's docker targets."""
+    """`python -m pipeline.workflow.launcher image|recipe|tag|shell` for the Makefile's docker targets."""
     import argparse
     import shlex
 
     from pipeline.params import load_params
 
-    ap = argparse.ArgumentParser(prog="python -m pipeline.launcher")
+    ap = argparse.ArgumentParser(prog="python -m pipeline.workflow.launcher")
     ap.add_argument("what", choices=["image", "recipe", "tag", "shell"],
                     help="base image | recipe's Dockerfile | built image tag | docker-shell argv")
     ap.add_argument("--params", default="params.yaml")
