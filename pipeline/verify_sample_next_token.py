@@ -26,24 +26,37 @@ import torch
 TOKENS_PER_POSITION = 3  # the next token, the current one, the one after the next
 
 
+def answered_positions(positions: np.ndarray, loss_mask: np.ndarray) -> np.ndarray:
+    """The judged positions whose final state goes through lm_head: those with a next token where the token or the
+    next one is the target's answer (loss mask 1): the final-state check's (the token's) and this test's (the next
+    one's, `contrast_scores`)."""
+    mask = np.asarray(loss_mask) != 0
+    inside = positions[positions < len(mask) - 1]
+    return inside[mask[inside] | mask[inside + 1]]
+
+
 def contrast_tokens(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
-    """[P, 3] int64 token ids whose log-probabilities the head gives at each judged position: t + 1, t, t + 2 (clipped
-    to the sample's last token; the last position is not judged: `contrast_scores`)."""
+    """[P, 3] int64 token ids whose log-probabilities the head gives at each answered position (`answered_positions`):
+    t + 1, t, t + 2 (t + 2 clipped to the sample's last token)."""
     last = len(ids) - 1
     ids = np.asarray(ids).astype(np.int64)
-    return np.stack([ids[np.minimum(positions + 1, last)], ids[positions], ids[np.minimum(positions + 2, last)]], 1)
+    return np.stack([ids[positions + 1], ids[positions], ids[np.minimum(positions + 2, last)]], 1)
 
 
-def contrast_scores(log_probs: torch.Tensor, positions: np.ndarray, loss_mask: np.ndarray) -> torch.Tensor:
-    """[P] the contrast in nats from the log-probabilities [P, 3] of `contrast_tokens` (the judge ranks them over the
-    run: verify_sample_judge.token_identity); NaN where the next token is not one the target answers with (its loss
-    mask is 0: a user's words, which no target predicts; the sample's last position has no next token)."""
+def contrast_scores(log_probs: torch.Tensor, answered: np.ndarray, judged: np.ndarray, loss_mask: np.ndarray) -> torch.Tensor:
+    """[P] per judged position the contrast in nats, from the log-probabilities [A, 3] of `contrast_tokens` at the
+    `answered` ones (the judge ranks them over the run: verify_sample_judge.token_identity); NaN where the next token
+    is not the target's answer (a user's words are not what a target predicts, and a trained target's confident
+    guesses at a user's new question after its answer made the contrast's clean tail: docs/ARCHITECTURE.md
+    "Per-sample tests") and at positions not answered."""
+    mask = np.asarray(loss_mask) != 0
+    length = len(mask)
     lp = log_probs.double()
-    length = len(loss_mask)
     contrast = torch.maximum(lp[:, 1], lp[:, 2]) - lp[:, 0]
     # the position before the last: its t + 2 is clipped to t + 1 itself, which would cancel the contrast
-    before_last = torch.from_numpy(positions == length - 2)
+    before_last = torch.from_numpy(answered == length - 2)
     contrast = torch.where(before_last, lp[:, 1] - lp[:, 0], contrast)
-    answered = (positions < length - 1) & (np.asarray(loss_mask)[np.minimum(positions + 1, length - 1)] != 0)
-    contrast[torch.from_numpy(~answered)] = float("nan")
-    return contrast.float()
+    contrast[torch.from_numpy(~mask[answered + 1])] = float("nan")
+    out = torch.full((len(judged),), float("nan"), dtype=torch.float32)
+    out[torch.from_numpy(np.searchsorted(judged, answered))] = contrast.float()
+    return out

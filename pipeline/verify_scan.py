@@ -40,7 +40,7 @@ from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.verify_audit import read_in_full
 from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
-from pipeline.verify_sample_next_token import contrast_scores, contrast_tokens
+from pipeline.verify_sample_next_token import answered_positions, contrast_scores, contrast_tokens
 from pipeline.verify_sample_positions import batch_capacity, judged_positions
 from pipeline.verify_samples import INDICES_PER_ROW
 from pipeline.verify_values import bad_values, suspect_layers
@@ -367,25 +367,29 @@ def scan_samples(
     with ctx.staging.buffer() as staging:
         if to_score:
             t = time.perf_counter()
-            # every judged position's final state goes through lm_head: the per-sample next-token test reads each of
-            # them, check 4 its seeded sample of the masked ones
+            # the final state of every judged position of the answers goes through lm_head: the per-sample token-identity
+            # test reads each of them, check 4 its seeded sample
             ids_of = {sid: ids for sid, _, _, ids in to_score}
-            masks_of = {sid: shard.numpy(f"{sid}/loss_mask") for sid in ids_of}
             judged = {sid: judged_positions(len(ids), ctx.coherence.stride, ctx.coherence.seed, sid) for sid, ids in ids_of.items()}
-            judged = {sid: positions for sid, positions in judged.items() if len(positions)}
-            scores, final_states = ctx.coherence.score_keeping_final_states(to_score, judged, scan.timed, staging)
+            masks_of = {sid: shard.numpy(f"{sid}/loss_mask") for sid in ids_of}
+            answered = {sid: answered_positions(judged[sid], masks_of[sid]) for sid in ids_of}
+            answered = {sid: positions for sid, positions in answered.items() if len(positions)}
+            scores, final_states = ctx.coherence.score_keeping_final_states(to_score, answered, scan.timed, staging)
             t = scan.timed("sample_coherence", t)
-            if judged:
-                tokens = torch.from_numpy(np.concatenate([contrast_tokens(ids_of[sid], judged[sid]) for sid in judged]))
-                best, log_probs = ctx.final_head.predict(torch.cat([final_states[sid] for sid in judged]), tokens, scan.timed)
-                sizes = [len(positions) for positions in judged.values()]
-                best_of = dict(zip(judged, best.split(sizes), strict=True))
-                log_probs_of = dict(zip(judged, log_probs.split(sizes), strict=True))
+            for score in scores:
+                score.next_token = torch.full((score.positions.size,), float("nan"))
+            if answered:
+                tokens = torch.from_numpy(np.concatenate([contrast_tokens(ids_of[sid], answered[sid]) for sid in answered]))
+                best, log_probs = ctx.final_head.predict(torch.cat([final_states[sid] for sid in answered]), tokens, scan.timed)
+                sizes = [len(positions) for positions in answered.values()]
+                best_of = dict(zip(answered, best.split(sizes), strict=True))
+                log_probs_of = dict(zip(answered, log_probs.split(sizes), strict=True))
                 for score in scores:
-                    if score.sample in judged:
-                        score.next_token = contrast_scores(log_probs_of[score.sample], score.positions, masks_of[score.sample])
+                    if score.sample in answered:
+                        score.next_token = contrast_scores(log_probs_of[score.sample], answered[score.sample], score.positions,
+                                                           masks_of[score.sample])
                 if from_scoring and chosen:
-                    predicted.append(torch.cat([best_of[sample_of[name]][np.searchsorted(judged[sample_of[name]], positions)]
+                    predicted.append(torch.cat([best_of[sample_of[name]][np.searchsorted(answered[sample_of[name]], positions)]
                                                 for name, positions, _ in chosen]))
                 scan.timed("final_lm_head", t)
             scan.sample_scores.extend(scores)
