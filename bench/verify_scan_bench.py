@@ -28,7 +28,7 @@ import torch
 
 from pipeline.hidden_states.format import Sample, read_manifest, write_shard
 from pipeline.params import VerifyParams
-from pipeline.reference import FinalHeadModel
+from pipeline.verification.reference.model import FinalHeadModel
 from pipeline.verify_fit import fit_coherence
 from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
 from pipeline.verify_shards import audit_selection, tf32_matmuls

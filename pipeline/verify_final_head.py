@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pipeline.reference import FinalHeadModel, ReferenceModel
+from pipeline.verification.reference.model import FinalHeadModel, ReferenceModel
 
 # [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
 # lm_head in chunks, and at most two chunks are on the GPU at once

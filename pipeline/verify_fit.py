@@ -10,8 +10,8 @@ import numpy as np
 import torch
 
 from pipeline.hidden_states.format import read_header, read_manifest
-from pipeline.reference import tensor_locations
 from pipeline.shard_view import ShardView
+from pipeline.verification.reference.model import tensor_locations
 from pipeline.verify_samples import Coherence
 
 

@@ -36,30 +36,17 @@ from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import FORMAT_NAME, manifest_path, read_header, read_manifest
 from pipeline.host_staging import HostStaging
 from pipeline.progress import progress
-from pipeline.reference import FinalHeadModel, ReferenceModel
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
+from pipeline.verification.reference.model import FinalHeadModel, ReferenceModel
 from pipeline.verify_audit import read_in_full
 from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
+from pipeline.verify_report import Finding
 from pipeline.verify_sample_next_token import answered_positions, contrast_scores, contrast_tokens
 from pipeline.verify_sample_positions import batch_capacity, judged_positions
 from pipeline.verify_samples import INDICES_PER_ROW
 from pipeline.verify_values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know
-
-
-@dataclass
-class Finding:
-    check: str
-    message: str
-    shard: str | None = None
-    sample: int | None = None
-    layer: int | None = None
-    severity: str = "fail"  # fail | warn
-
-    def where(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
-        return ", ".join(parts)
 
 
 class PreparedTokens:

@@ -13,7 +13,7 @@ import torch
 
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import VerifyParams
-from pipeline.reference import DTYPES
+from pipeline.verification.reference.model import DTYPES
 from pipeline.verify_fit import fit_coherence
 from pipeline.verify_report import Report
 from pipeline.verify_sample_judge import check_samples

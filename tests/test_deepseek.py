@@ -122,9 +122,9 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
     reference's worst), that flip alone would fail; pooled over all reference tokens it does not.
     An error on every token (5x bf16's) still fails.
     """
-    from pipeline.agreement import PooledError, rel_error
     from pipeline.params import VerifyParams
     from pipeline.stages.verify import BF16_REL_FLOOR, Report, check_layer_tolerance
+    from pipeline.verification.reference.agreement import PooledError, rel_error
 
     lengths = [5, 300] + [150] * 18
     captured, calibration = PooledError(), PooledError()

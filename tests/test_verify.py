@@ -18,9 +18,9 @@ from pipeline.errors import PipelineError
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import complete_shards, manifest_path, read_meta, write_meta
 from pipeline.params import VerifyParams
-from pipeline.reference import ReferenceModel
 from pipeline.stages.verify import audit_selection
 from pipeline.target import load_target, sha256_file
+from pipeline.verification.reference.model import ReferenceModel
 from tests.conftest import build_tiny_llama, copy_project, run_stage
 
 pytestmark = pytest.mark.slow

@@ -398,7 +398,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         return {"summary": summary}
     # the data pass alone: references loaded beforehand (what grows with the data, without the
     # load it otherwise overlaps)
-    from pipeline import reference
+    from pipeline.verification.reference import model as reference
 
     meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
     preloaded = reference.load_references(Path(model_dir), meta["dtype"])
