@@ -68,7 +68,7 @@ class FinalHead:
     def predict(self, final_states: torch.Tensor, tokens: torch.Tensor | None,
                 timed: Callable[[str, float], float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`argmax`, and where `tokens` [P, K] (token ids per state) is given, the log-probabilities [P, K] the head gives
-        those tokens (fp32, on the CPU): the per-sample next-token test's evidence (verify_sample_next_token.py)."""
+        those tokens (fp32, on the CPU): the per-sample next-token test's evidence (pipeline/verification/samples/next_token.py)."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         out, chosen = [], []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):

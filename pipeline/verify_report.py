@@ -199,7 +199,7 @@ def samples_line(s: dict) -> str:
 
 
 def render_sample_tests(t: dict | None) -> list[str]:
-    """What the per-sample tests measure, their thresholds and the clean population (pipeline/verify_samples.py)."""
+    """What the per-sample tests measure, their thresholds and the clean population (pipeline/verification/samples/scores.py)."""
     if not t:
         return []
     out = [

@@ -7,7 +7,7 @@ shards).
 
 What is read of a shard: its manifest, its safetensors header (names, dtypes, shapes, offsets),
 every sample's token ids and loss mask, every captured layer's rows at the positions the per-sample
-tests judge (pipeline/verify_samples.py), whose final-layer rows the final-state check takes at a
+tests judge (pipeline/verification/samples/scores.py), whose final-layer rows the final-state check takes at a
 seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
 tests, the final layer's rows at every masked position are read instead). The per-layer
 statistics come from the manifest, where the extractor recorded them from the tensors it wrote.
@@ -38,12 +38,12 @@ from pipeline.host_staging import HostStaging
 from pipeline.progress import progress
 from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
 from pipeline.verification.reference.model import FinalHeadModel, ReferenceModel
+from pipeline.verification.samples.next_token import answered_positions, contrast_scores, contrast_tokens
+from pipeline.verification.samples.positions import batch_capacity, judged_positions
+from pipeline.verification.samples.scores import INDICES_PER_ROW
 from pipeline.verify_audit import read_in_full
 from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
 from pipeline.verify_report import Finding
-from pipeline.verify_sample_next_token import answered_positions, contrast_scores, contrast_tokens
-from pipeline.verify_sample_positions import batch_capacity, judged_positions
-from pipeline.verify_samples import INDICES_PER_ROW
 from pipeline.verify_values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know

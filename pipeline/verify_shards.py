@@ -14,9 +14,9 @@ import torch
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import VerifyParams
 from pipeline.verification.reference.model import DTYPES
-from pipeline.verify_fit import fit_coherence
+from pipeline.verification.samples.fit import fit_coherence
+from pipeline.verification.samples.judge import check_samples
 from pipeline.verify_report import Report
-from pipeline.verify_sample_judge import check_samples
 from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
 
 OUTLIER_FACTOR = 3.0  # a shard's per-layer RMS this far from the median of all shards is flagged

@@ -151,7 +151,7 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
 
 
 def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_path: Path):
-    """bf16 with MoE routing flips: each sample's per-sample tests (pipeline/verify_samples.py) raise
+    """bf16 with MoE routing flips: each sample's per-sample tests (pipeline/verification/samples/scores.py) raise
     no alarm, and the clean run's highest window score stays below the threshold."""
     project = copy_project(ds_extracted, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR)
     run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})

@@ -169,6 +169,7 @@ def test_no_import_circle_between_packages() -> None:
 # which import no sub-package. So the top modules that use a sub-package stand above it, and there is no circle.
 VERIFICATION = "pipeline.verification"
 SUBPACKAGES = [
+    "pipeline.verification.samples",  # the per-sample tests: scores, positions, next token, fit, verdicts
     "pipeline.verification.reference",  # the transformers reference forward, whole or streamed, its cost, the check
 ]
 VERIFICATION_BASE: set[str] = set()
@@ -243,7 +244,7 @@ def closure(module: str) -> set[str]:
 def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
     """dvc.yaml lists, for every stage, each pipeline module its entry imports (directly or not) but the plumbing
     above: a module that decides a stage's outputs and is not listed would let an edit to it leave a stale output in
-    place (verify_fit.py and verify_whitening.py were missing from verify's until session 16)."""
+    place (pipeline/verification/samples/fit.py and pipeline/verification/samples/whitening.py were missing from verify's until session 16)."""
     import yaml
 
     stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]

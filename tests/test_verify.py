@@ -418,9 +418,9 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
     without, and a position the scoring does not judge is refused, not silently read elsewhere."""
     import numpy as np
 
-    from pipeline.verify_fit import load_embedding
-    from pipeline.verify_sample_positions import judged_positions
-    from pipeline.verify_samples import Coherence
+    from pipeline.verification.samples.fit import load_embedding
+    from pipeline.verification.samples.positions import judged_positions
+    from pipeline.verification.samples.scores import Coherence
 
     target = load_target(project / layout.TARGET_JSON)
     layer_ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
@@ -471,7 +471,7 @@ def test_final_positions_split_into_pieces_a_staging_buffer_holds():
 
 
 def test_scoring_batches_never_exceed_their_rows_unless_one_sample_does():
-    from pipeline.verify_sample_positions import batch_capacity, batches
+    from pipeline.verification.samples.positions import batch_capacity, batches
 
     items = [(i, None, None, range(n)) for i, n in enumerate([3, 2, 4, 9, 1, 1])]
     got = [[item[0] for item in batch] for batch in batches(items, 5)]

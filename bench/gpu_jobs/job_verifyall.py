@@ -340,7 +340,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
     import torch
 
-    from pipeline import verify_samples
+    from pipeline.verification.samples import scores as verify_samples
 
     # VERIFY_COLD_ONLY=1: the cold processes alone (a short call: no in-process runs, no profile)
     cold_only = os.environ.get("VERIFY_COLD_ONLY") == "1"

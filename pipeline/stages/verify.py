@@ -6,7 +6,7 @@ Checks (docs/ARCHITECTURE.md lists what each catches):
               and unique; audited shards (seeded sample): sha256, recorded statistics vs bytes
   values      from the statistics the extractor recorded per sample and layer: finite, no
               all-zero or constant layer, per-layer stats per shard, outlier shards
-  samples     every sample on its own (pipeline/verify_samples.py): every sample_stride-th position
+  samples     every sample on its own (pipeline/verification/samples/scores.py): every sample_stride-th position
               of every sample, all captured layers, scored for coherence with the other layers and
               the token's embedding; runs of sample_window positions tested against the run's and
               the sample's own windows at a Bonferroni-bounded false-alarm rate; layers exchanged
@@ -39,7 +39,7 @@ from pipeline.verification.reference.check import (  # noqa: F401
 )
 from pipeline.verification.reference.model import FinalHeadModel, load_final_head, load_references
 from pipeline.verification.reference.streamed import choose_reference, shard_sequences, stream_references
-from pipeline.verify_fit import load_embedding
+from pipeline.verification.samples.fit import load_embedding
 from pipeline.verify_report import CHECKS, REPORT_DIR, Report, write_outputs
 from pipeline.verify_scan import default_workers
 from pipeline.verify_shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401

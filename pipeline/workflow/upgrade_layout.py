@@ -59,6 +59,13 @@ MOVED = {
     "pipeline/reference_cost.py": "pipeline/verification/reference/cost.py",
     "pipeline/verify_reference_check.py": "pipeline/verification/reference/check.py",
     "pipeline/agreement.py": "pipeline/verification/reference/agreement.py",
+    "pipeline/verify_samples.py": "pipeline/verification/samples/scores.py",
+    "pipeline/verify_sample_judge.py": "pipeline/verification/samples/judge.py",
+    "pipeline/verify_sample_positions.py": "pipeline/verification/samples/positions.py",
+    "pipeline/verify_sample_next_token.py": "pipeline/verification/samples/next_token.py",
+    "pipeline/verify_fit.py": "pipeline/verification/samples/fit.py",
+    "pipeline/verify_least_squares.py": "pipeline/verification/samples/least_squares.py",
+    "pipeline/verify_whitening.py": "pipeline/verification/samples/whitening.py",
 }
 # definitions the layout moved from one module to another, old module name -> {name: its home, as the old layout
 # named that module}: read as the same program when the definition itself is unchanged
