@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pipeline.host_staging import HostStaging
+from pipeline.verification.host_staging import HostStaging
 from pipeline.verification.samples.scores import INDICES_PER_ROW
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}

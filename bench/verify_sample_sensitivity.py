@@ -30,11 +30,11 @@ from datasets import load_from_disk
 
 from pipeline.hidden_states.format import complete_shards, load_sample, read_manifest
 from pipeline.params import VerifyParams
+from pipeline.verification.report import Report
 from pipeline.verification.samples import fit as verify_fit
 from pipeline.verification.samples import scores as V
 from pipeline.verification.samples import whitening as W
 from pipeline.verification.samples.judge import check_samples
-from pipeline.verify_report import Report
 
 EPS = tuple(float(e) for e in os.environ.get("EPS", "0.05,0.1,0.15,0.2,0.3,0.5,1,2").split(","))
 RUN = 16

@@ -59,7 +59,7 @@ def test_new_names_read_back_as_old() -> None:
     assert old_text("see pipeline/training/worker.py and `python -m pipeline.workflow.share`") == \
         "see pipeline/train_worker.py and `python -m pipeline.share`"
     # a bare file name, as docstrings wrote the modules beside them, reads as the path the move wrote in its place
-    assert old_text("closeness (agreement.py)") == "closeness (pipeline/agreement.py)"
+    assert old_text("the verdicts (verify_sample_judge.py)") == old_text("the verdicts (pipeline/verification/samples/judge.py)")
     assert old_text("Units (reference_cost.py)") == old_text("Units (pipeline/verification/reference/cost.py)")
     assert old_text("planning/plan.py, cost.py") == "planning/plan.py, cost.py"
 
@@ -100,7 +100,7 @@ def scan():
 NEW_SCAN = """from dataclasses import dataclass
 
 from pipeline.verification.reference.model import ReferenceModel
-from pipeline.verify_report import Finding
+from pipeline.verification.report import Finding
 
 
 def scan():

@@ -383,8 +383,8 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     import numpy as np
 
     from pipeline.hidden_states.format import read_header
-    from pipeline.host_staging import HostStaging
-    from pipeline.verify_scan import _ShardView, read_final_rows
+    from pipeline.verification.host_staging import HostStaging
+    from pipeline.verification.scan import _ShardView, read_final_rows
 
     path = shards(project)[0]
     tensors = load_file(path)
@@ -456,7 +456,7 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
 
 
 def test_final_positions_split_into_pieces_a_staging_buffer_holds():
-    from pipeline.verify_final_head import split_positions
+    from pipeline.verification.final_head import split_positions
 
     chosen = [("a", torch.arange(5), "ids a"), ("b", torch.arange(10, 13), "ids b"), ("c", torch.tensor([7]), "ids c")]
     pieces = split_positions(chosen, 4)

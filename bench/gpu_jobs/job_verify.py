@@ -52,9 +52,10 @@ def job_verify(state: dict, name: str) -> dict:
     import torch
 
     from gpu_jobs.gpu_peaks import Peaks
-    from pipeline import layout, verify_shards
+    from pipeline import layout
     from pipeline.hidden_states import format as shards
     from pipeline.stages import verify
+    from pipeline.verification import shards as verify_shards
     from pipeline.verification.reference import model as reference
 
     src = Path(state[f"project_{name}"])

@@ -146,7 +146,7 @@ def head_microbench(ref) -> dict:
 
     import torch
 
-    from pipeline import verify_final_head
+    from pipeline.verification import final_head as verify_final_head
 
     dev, bf16 = ref.device, torch.bfloat16
     if dev.type != "cuda":
@@ -245,7 +245,7 @@ def profiling_scan(timings: dict) -> None:
     one run."""
     import torch
 
-    from pipeline import verify_shards
+    from pipeline.verification import shards as verify_shards
 
     scan = verify_shards.scan_shards
 
@@ -273,7 +273,7 @@ def watch_fit_memory(timings: dict) -> None:
     and what it leaves allocated (the references may load beside it: their growth is in the peak too)."""
     import torch
 
-    from pipeline import verify_shards
+    from pipeline.verification import shards as verify_shards
 
     if not torch.cuda.is_available() or getattr(verify_shards.fit_coherence, "watched", False):
         return

@@ -39,10 +39,10 @@ from pipeline.verification.reference.check import (  # noqa: F401
 )
 from pipeline.verification.reference.model import FinalHeadModel, load_final_head, load_references
 from pipeline.verification.reference.streamed import choose_reference, shard_sequences, stream_references
+from pipeline.verification.report import CHECKS, REPORT_DIR, Report, write_outputs
 from pipeline.verification.samples.fit import load_embedding
-from pipeline.verify_report import CHECKS, REPORT_DIR, Report, write_outputs
-from pipeline.verify_scan import default_workers
-from pipeline.verify_shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
+from pipeline.verification.scan import default_workers
+from pipeline.verification.shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
 
 PER_CHECK = 10  # failures of each check in the error message (all of them: reports/verify/report.md)
 

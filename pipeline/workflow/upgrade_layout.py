@@ -66,6 +66,14 @@ MOVED = {
     "pipeline/verify_fit.py": "pipeline/verification/samples/fit.py",
     "pipeline/verify_least_squares.py": "pipeline/verification/samples/least_squares.py",
     "pipeline/verify_whitening.py": "pipeline/verification/samples/whitening.py",
+    "pipeline/verify_shards.py": "pipeline/verification/shards.py",
+    "pipeline/verify_scan.py": "pipeline/verification/scan.py",
+    "pipeline/verify_values.py": "pipeline/verification/values.py",
+    "pipeline/verify_audit.py": "pipeline/verification/audit.py",
+    "pipeline/verify_final_head.py": "pipeline/verification/final_head.py",
+    "pipeline/verify_report.py": "pipeline/verification/report.py",
+    "pipeline/shard_view.py": "pipeline/verification/shard_view.py",
+    "pipeline/host_staging.py": "pipeline/verification/host_staging.py",
 }
 # definitions the layout moved from one module to another, old module name -> {name: its home, as the old layout
 # named that module}: read as the same program when the definition itself is unchanged

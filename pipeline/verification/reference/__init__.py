@@ -7,5 +7,5 @@
 - `agreement`: closeness of a captured layer to a reference layer, layer identity, token shift (pure tensors);
 - `check`: the reference check itself: seeded samples compared per layer, the final state's argmax.
 
-They import, of verification, only the report (pipeline/verify_report.py: its findings).
+They import, of verification, only the report (pipeline/verification/report.py: its findings).
 """

@@ -15,7 +15,7 @@ from pipeline.params import VerifyParams
 from pipeline.progress import progress
 from pipeline.verification.reference import agreement
 from pipeline.verification.reference.model import References
-from pipeline.verify_report import Report
+from pipeline.verification.report import Report
 
 BF16_REL_FLOOR = 2.0**-8  # bf16 rounding alone gives about this relative error
 

@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from pipeline.hidden_states.format import read_header, read_manifest
-from pipeline.shard_view import ShardView
 from pipeline.verification.reference.model import tensor_locations
 from pipeline.verification.samples.scores import Coherence
+from pipeline.verification.shard_view import ShardView
 
 
 def load_embedding(path: Path, trust_remote_code: bool = False, device: str | None = None) -> torch.Tensor:

@@ -14,6 +14,7 @@ from statistics import NormalDist
 import numpy as np
 import torch
 
+from pipeline.verification.report import Report
 from pipeline.verification.samples.scores import (
     EXCHANGE_POSITIONS,
     WHOLE_MIN_SAMPLES,
@@ -21,7 +22,6 @@ from pipeline.verification.samples.scores import (
     SampleScores,
     tests_per_position,
 )
-from pipeline.verify_report import Report
 
 WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
 # Clean scores have heavier tails than the MAD's normal law: within-sample maxima 7.7-9.4 robust sigmas on the

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.host_staging import StagingBuffer, new_buffer
+from pipeline.verification.host_staging import StagingBuffer, new_buffer
 from pipeline.verification.samples.least_squares import FoldFit, fit_folds
 from pipeline.verification.samples.positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
 
@@ -222,7 +222,7 @@ class Coherence:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
         shard's samples are scored together, in batches of up to BATCH_ROWS judged rows sorted by fold and half, so
         a GPU runs a few large products per shard instead of a dozen small kernels per sample. The rows go up from
-        `staging` (the scan's, made before it: pipeline/host_staging.py; None: a buffer made for this call). `timed`
+        `staging` (the scan's, made before it: pipeline/verification/host_staging.py; None: a buffer made for this call). `timed`
         (e.g. `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
         return self.score_keeping_final_states(samples, {}, timed, staging)[0]
 

@@ -1,5 +1,5 @@
 """The final-state check's head: argmax(lm_head(norm(h_N))) of a shard's chosen final-layer states, on the GPU
-when there is one (verify's scan, pipeline/verify_scan.py, calls it from its threads); which masked positions are
+when there is one (verify's scan, pipeline/verification/scan.py, calls it from its threads); which masked positions are
 chosen, and their chunks."""
 
 from __future__ import annotations
