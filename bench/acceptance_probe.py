@@ -7,7 +7,7 @@ Usage, in a project after `train` (and `eval`, to compare):
 Runs speculators' own EAGLE-3 forward (the trainer's metrics, `full_acc_k`) on
   (a) the train stage's validation split, read from the shards: reproduces training's figures;
   (b) the target's greedy continuations of the held-out prompts (transformers, fp32; the states
-      from `pipeline.reference`, verify's yardstick), masked to the generated tokens: the text
+      from `pipeline.verification.reference.model`, verify's yardstick), masked to the generated tokens: the text
       vLLM's draft sees when serving;
 and walks (b) the way vLLM's draft/verify loop does (k = 3: draft at a position, accept the
 leading correct tokens, skip past them and the target's own token), which is the serving
@@ -32,11 +32,11 @@ from speculators.models.eagle3.data import shift_batch
 from pipeline.hidden_states import format as shards
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import load_params
-from pipeline.reference import ReferenceModel
 from pipeline.stages.eval import load_prompts
 from pipeline.target import load_target
 from pipeline.training.data import ShardDataset, index_shards, split_refs
 from pipeline.training.draft import final_draft
+from pipeline.verification.reference.model import ReferenceModel
 
 
 def load_draft(draft_dir: Path, target_path: Path) -> torch.nn.Module:

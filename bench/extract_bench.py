@@ -22,8 +22,8 @@ import torch
 from pipeline import layout
 from pipeline.hidden_states.format import Sample, write_shard
 from pipeline.params import ExtractParams, resolve_layer_ids
-from pipeline.reference import ReferenceModel
 from pipeline.target import Target, fingerprint_model_dir, write_target
+from pipeline.verification.reference.model import ReferenceModel
 
 
 def make_project(root: Path, model: Path, samples: int, seq_len: int, vocab: int, seed: int) -> list[list[int]]:

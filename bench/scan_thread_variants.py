@@ -36,7 +36,8 @@ def copy_with(out: Path, rev: str, name: str, line: str) -> Path:
     archive = subprocess.run(["git", "archive", rev, "pipeline"], check=True, capture_output=True).stdout
     with tarfile.open(fileobj=BytesIO(archive)) as tar:
         tar.extractall(target, filter="tar")
-    scan = target / "pipeline" / "verify_scan.py"
+    scan = next((p for p in (target / "pipeline" / "verification" / "scan.py", target / "pipeline" / "verify_scan.py")
+                 if p.is_file()), target / "pipeline" / "verification" / "scan.py")  # a rev before the layout: its old path
     text = scan.read_text()
     if text.count(INTRA_OP) != 1:
         raise SystemExit(f"{scan}: the intra-op line is not there once; pass a --rev that has it")

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """verify's reference forward on a GPU: the whole model (reference.load_references) against the
-streamed one (streamed_reference.py) under a budget below the model's size, same samples (issue 24).
+streamed one (pipeline/verification/reference/streamed.py) under a budget below the model's size, same samples (issue 24).
 
 Needs only torch + transformers (the H200 image has both; no vLLM), from the repo root:
 
@@ -85,8 +85,8 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=2048)
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    from pipeline.reference import load_references
-    from pipeline.streamed_reference import choose_reference, stream_references
+    from pipeline.verification.reference.model import load_references
+    from pipeline.verification.reference.streamed import choose_reference, stream_references
 
     shm = Path("/dev/shm")
     room = shm.is_dir() and shutil.disk_usage(shm).free > 40 * 2**30  # a container's /dev/shm may be tiny

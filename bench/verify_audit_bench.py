@@ -1,4 +1,4 @@
-"""An audited shard read in full (`pipeline.verify_audit.read_in_full`: sha256 and every sample's statistics) at the
+"""An audited shard read in full (`pipeline.verification.audit.read_in_full`: sha256 and every sample's statistics) at the
 8B workload's shape, against another revision's: a 1.07 GB shard of 16 samples of 2,048 x 4 x 4,096 bf16 written by the
 project's shard writer, each reader run `--repeat` times, interleaved; digests and statistics must agree.
 
@@ -22,13 +22,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from pipeline import verify_audit
 from pipeline.hidden_states.format import Sample, write_shard
+from pipeline.verification import audit as verify_audit
 
 
 def module_at(rev: str):
-    """pipeline/verify_audit.py as of `rev`, imported under a name of its own."""
-    source = subprocess.run(["git", "show", f"{rev}:pipeline/verify_audit.py"], check=True, capture_output=True, text=True).stdout
+    """pipeline/verification/audit.py (before the layout pipeline/verify_audit.py) as of `rev`, imported under a name of
+    its own."""
+    for at in ("pipeline/verification/audit.py", "pipeline/verify_audit.py"):
+        shown = subprocess.run(["git", "show", f"{rev}:{at}"], capture_output=True, text=True)
+        if shown.returncode == 0:
+            break
+    shown.check_returncode()
+    source = shown.stdout
     path = Path(tempfile.mkdtemp()) / "verify_audit_at_rev.py"
     path.write_text(source)
     spec = importlib.util.spec_from_file_location("verify_audit_at_rev", path)

@@ -1,5 +1,5 @@
 """CPU cost of verify's per-sample scoring (`Coherence.score_samples`: a shard's samples in one batch), this tree
-against an older commit's pipeline/verify_samples.py, on random layer-coherent data of a given shape: predictors fitted
+against an older commit's pipeline/verification/samples/scores.py (or pipeline/verify_samples.py), on random layer-coherent data of a given shape: predictors fitted
 by each, then the same samples scored by both (the scores are compared, not judged; compute in fp32, and in bf16 as on
 a GPU with --bf16; states stored as F32 or, as an 8B extraction stores them, --stored BF16).
 
@@ -31,8 +31,8 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from pipeline.host_staging import HostStaging
-from pipeline.verify_samples import INDICES_PER_ROW
+from pipeline.verification.host_staging import HostStaging
+from pipeline.verification.samples.scores import INDICES_PER_ROW
 
 PRODUCTS = {"mm", "bmm", "addmm", "baddbmm"}
 
@@ -134,12 +134,16 @@ def main() -> None:
         torch.set_num_threads(a.torch_threads)
     modules = {}
     if a.rev:
-        old_source = subprocess.run(["git", "show", f"{a.rev}:pipeline/verify_samples.py"], capture_output=True,
-                                    text=True, check=True).stdout
+        for path in ("pipeline/verification/samples/scores.py", "pipeline/verify_samples.py"):  # a commit before the layout
+            shown = subprocess.run(["git", "show", f"{a.rev}:{path}"], capture_output=True, text=True)
+            if shown.returncode == 0:
+                break
+        shown.check_returncode()
+        old_source = shown.stdout
         with tempfile.TemporaryDirectory() as tmp:
             (Path(tmp) / "old.py").write_text(old_source)
             modules[a.rev] = load(Path(tmp) / "old.py", "old_verify_samples")
-    modules["tree"] = load(Path("pipeline/verify_samples.py"), "tree_verify_samples")
+    modules["tree"] = load(Path("pipeline/verification/samples/scores.py"), "tree_verify_samples")
     device = torch.device(a.device)
     done = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     H, L, V = a.hidden, a.layers, 1000

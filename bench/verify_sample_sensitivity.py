@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 from datasets import load_from_disk
 
-from pipeline import verify_fit
-from pipeline import verify_samples as V
-from pipeline import verify_whitening as W
 from pipeline.hidden_states.format import complete_shards, load_sample, read_manifest
 from pipeline.params import VerifyParams
-from pipeline.verify_report import Report
-from pipeline.verify_sample_judge import check_samples
+from pipeline.verification.report import Report
+from pipeline.verification.samples import fit as verify_fit
+from pipeline.verification.samples import scores as V
+from pipeline.verification.samples import whitening as W
+from pipeline.verification.samples.judge import check_samples
 
 EPS = tuple(float(e) for e in os.environ.get("EPS", "0.05,0.1,0.15,0.2,0.3,0.5,1,2").split(","))
 RUN = 16

@@ -1,6 +1,6 @@
-"""verify's scan as the stage runs it (`pipeline.verify_scan.scan_shards`, with the stage's fit, audit choice and staging)
+"""verify's scan as the stage runs it (`pipeline.verification.scan.scan_shards`, with the stage's fit, audit choice and staging)
 on synthetic shards, without a target model or an extraction: layer-coherent random states written by the project's
-shard writer, the predictors fitted by `pipeline.verify_fit.fit_coherence`, a random final norm and lm_head. By default
+shard writer, the predictors fitted by `pipeline.verification.samples.fit.fit_coherence`, a random final norm and lm_head. By default
 the 8B bench workload's shape (docs/BENCHMARKS.md "Verify's scan, session 12": 104 shards, 8 of 16 x 2,048 tokens and
 96 of 16 x 512, 1,048,576 tokens, H 4096, 4 captured layers, vocabulary 128,256, bf16, 34.4 GB), so scan settings
 are compared in a minute of a GPU instead of an extraction's five. Settings are compared within one run only; the
@@ -28,10 +28,10 @@ import torch
 
 from pipeline.hidden_states.format import Sample, read_manifest, write_shard
 from pipeline.params import VerifyParams
-from pipeline.reference import FinalHeadModel
-from pipeline.verify_fit import fit_coherence
-from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
-from pipeline.verify_shards import audit_selection, tf32_matmuls
+from pipeline.verification.reference.model import FinalHeadModel
+from pipeline.verification.samples.fit import fit_coherence
+from pipeline.verification.scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
+from pipeline.verification.shards import audit_selection, tf32_matmuls
 
 
 def write_workload(work: Path, a: argparse.Namespace, device: torch.device) -> tuple[list[Path], list, torch.Tensor]:

@@ -254,7 +254,7 @@ class VerifyParams(_Section):
     )
     sample_stride: int = Field(
         4, ge=1, description="Per-sample tests: every this-many-th position of every sample (seeded offset) is read in all "
-        "captured layers and judged (pipeline/verify_samples.py); 1 = every position (most sensitive, reads every byte)."
+        "captured layers and judged (pipeline/verification/samples/scores.py); 1 = every position (most sensitive, reads every byte)."
     )
     sample_window: int = Field(
         16, ge=1, description="Per-sample tests: a fault is judged over runs of this many consecutive positions "

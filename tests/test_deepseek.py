@@ -122,9 +122,9 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
     reference's worst), that flip alone would fail; pooled over all reference tokens it does not.
     An error on every token (5x bf16's) still fails.
     """
-    from pipeline.agreement import PooledError, rel_error
     from pipeline.params import VerifyParams
     from pipeline.stages.verify import BF16_REL_FLOOR, Report, check_layer_tolerance
+    from pipeline.verification.reference.agreement import PooledError, rel_error
 
     lengths = [5, 300] + [150] * 18
     captured, calibration = PooledError(), PooledError()
@@ -151,7 +151,7 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
 
 
 def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_path: Path):
-    """bf16 with MoE routing flips: each sample's per-sample tests (pipeline/verify_samples.py) raise
+    """bf16 with MoE routing flips: each sample's per-sample tests (pipeline/verification/samples/scores.py) raise
     no alarm, and the clean run's highest window score stays below the threshold."""
     project = copy_project(ds_extracted, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR)
     run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})

@@ -86,6 +86,7 @@ def test_the_graph_sees_the_known_imports() -> None:
     assert "pipeline.extraction.inputs" in GRAPH["pipeline.planning.plan"]
     assert "pipeline.extraction.engine" in GRAPH["pipeline.extraction.ray"]  # inside a method
     assert "pipeline.stages" in GRAPH["pipeline.cli"]
+    assert "pipeline.verification.samples.scores" in GRAPH["pipeline.verification.scan"]
 
 
 def test_no_import_circle_in_pipeline() -> None:
@@ -111,6 +112,7 @@ PACKAGES = [
     "pipeline.embedded",  # the targets we build (their CPU training pins its arithmetic as training does)
     "pipeline.training",  # the draft's trainer: worker, data, torchrun, speculators on CPU, CPU arithmetic, draft
     "pipeline.extraction",  # the engine side of extract: inputs, capacity, output, engines, the vLLM glue
+    "pipeline.verification",  # verify's machinery: the shard scan, its checks and report; per-sample tests; reference
     "pipeline.hidden_states",  # the shard format extract writes and the others read, its statistics, export
 ]
 # The entry, above everything; nothing imports it.
@@ -163,6 +165,54 @@ def test_no_import_circle_between_packages() -> None:
     assert find_cycle(boxes) is None, " -> ".join(find_cycle(boxes))
 
 
+# Inside verification: its sub-packages, highest first. A module in one imports, of verification, only its own
+# sub-package, the sub-packages after it and VERIFICATION_BASE: the top modules of verification below them all,
+# which import no sub-package. So the top modules that use a sub-package stand above it, and there is no circle.
+VERIFICATION = "pipeline.verification"
+SUBPACKAGES = [
+    "pipeline.verification.samples",  # the per-sample tests: scores, positions, next token, fit, verdicts
+    "pipeline.verification.reference",  # the transformers reference forward, whole or streamed, its cost, the check
+]
+VERIFICATION_BASE = {"pipeline.verification.report", "pipeline.verification.shard_view",
+                     "pipeline.verification.host_staging"}
+
+
+def subpackage_of(module: str) -> str | None:
+    for p in SUBPACKAGES:
+        if module == p or module.startswith(p + "."):
+            return p
+    return None
+
+
+def test_verification_sub_packages_import_downward() -> None:
+    assert all(p in MODULES and MODULES[p].name == "__init__.py" for p in SUBPACKAGES)
+    assert all(m in MODULES and subpackage_of(m) is None and package_of(m) == VERIFICATION for m in VERIFICATION_BASE)
+    climbs = {}
+    for i, sub in enumerate(SUBPACKAGES):
+        allowed = set(SUBPACKAGES[i:])
+        for m in (m for m in GRAPH if subpackage_of(m) == sub):
+            bad = sorted(n for n in GRAPH[m] if package_of(n) == VERIFICATION and n != VERIFICATION
+                         and subpackage_of(n) not in allowed and n not in VERIFICATION_BASE)
+            if bad:
+                climbs[m] = bad
+    for m in VERIFICATION_BASE:
+        if bad := sorted(n for n in GRAPH[m] if subpackage_of(n) is not None):
+            climbs[m] = bad
+    assert climbs == {}, f"verification modules importing upward: {climbs}"
+
+
+def test_no_import_circle_inside_verification() -> None:
+    """verification's modules with each sub-package drawn as one box have no circle."""
+    def box(m: str) -> str:
+        return subpackage_of(m) or m
+
+    boxes: dict[str, set[str]] = {}
+    for m, ns in GRAPH.items():
+        if package_of(m) == VERIFICATION:
+            boxes.setdefault(box(m), set()).update(box(n) for n in ns if package_of(n) == VERIFICATION and box(n) != box(m))
+    assert find_cycle(boxes) is None, " -> ".join(find_cycle(boxes))
+
+
 # What a stage's dvc.yaml `deps:` may leave out of the code it imports: plumbing that moves or names things without
 # deciding what any stage computes (an edit to it must not re-run a GPU-day extraction) ...
 PLUMBING = {
@@ -196,7 +246,7 @@ def closure(module: str) -> set[str]:
 def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
     """dvc.yaml lists, for every stage, each pipeline module its entry imports (directly or not) but the plumbing
     above: a module that decides a stage's outputs and is not listed would let an edit to it leave a stale output in
-    place (verify_fit.py and verify_whitening.py were missing from verify's until session 16)."""
+    place (pipeline/verification/samples/fit.py and pipeline/verification/samples/whitening.py were missing from verify's until session 16)."""
     import yaml
 
     stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]

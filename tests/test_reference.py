@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pipeline.reference import (
+from pipeline.verification.reference.model import (
     FinalHeadModel,
     ReferenceModel,
     checkpoint_float_elements,

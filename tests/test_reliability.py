@@ -225,7 +225,7 @@ def test_pickle_model_weights_are_not_executed(tmp_path: Path) -> None:
     torch.load(weights_only=True), which refuses the pickle's code."""
     from transformers import LlamaConfig
 
-    from pipeline.reference import ReferenceModel
+    from pipeline.verification.reference.model import ReferenceModel
 
     model_dir = tmp_path / "model"
     LlamaConfig(hidden_size=TINY["hidden_size"], intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,

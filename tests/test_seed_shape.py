@@ -19,10 +19,10 @@ from safetensors import safe_open
 from pipeline import int4
 from pipeline.embedded.seed_shape import check_reference_budget, seed_config, write_seed_shape
 from pipeline.errors import PipelineError
-from pipeline.reference import load_references
-from pipeline.reference_cost import GIB, stream_plan
-from pipeline.streamed_reference import Checkpoint, choose_reference, stream_references
 from pipeline.target import check_model_dir, fingerprint_model_dir
+from pipeline.verification.reference.cost import GIB, stream_plan
+from pipeline.verification.reference.model import load_references
+from pipeline.verification.reference.streamed import Checkpoint, choose_reference, stream_references
 from tests.test_streamed_reference import SEQUENCES, assert_equal_references, rel_rms
 
 ROOT = Path(__file__).resolve().parents[1]

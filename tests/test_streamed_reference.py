@@ -12,9 +12,9 @@ import torch
 
 from pipeline import int4, layout
 from pipeline.errors import PipelineError
-from pipeline.reference import References, load_references
-from pipeline.reference_cost import GIB
-from pipeline.streamed_reference import Checkpoint, choose_reference, stream_references
+from pipeline.verification.reference.cost import GIB
+from pipeline.verification.reference.model import References, load_references
+from pipeline.verification.reference.streamed import Checkpoint, choose_reference, stream_references
 from tests.conftest import build_tiny_deepseek_v3, build_tiny_llama, copy_project, run_stage
 from tests.test_reference import save_bf16
 

@@ -18,9 +18,9 @@ from pipeline.errors import PipelineError
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import complete_shards, manifest_path, read_meta, write_meta
 from pipeline.params import VerifyParams
-from pipeline.reference import ReferenceModel
 from pipeline.stages.verify import audit_selection
 from pipeline.target import load_target, sha256_file
+from pipeline.verification.reference.model import ReferenceModel
 from tests.conftest import build_tiny_llama, copy_project, run_stage
 
 pytestmark = pytest.mark.slow
@@ -383,8 +383,8 @@ def test_final_rows_read_from_the_memory_map_equal_the_tensors(project: Path):
     import numpy as np
 
     from pipeline.hidden_states.format import read_header
-    from pipeline.host_staging import HostStaging
-    from pipeline.verify_scan import _ShardView, read_final_rows
+    from pipeline.verification.host_staging import HostStaging
+    from pipeline.verification.scan import _ShardView, read_final_rows
 
     path = shards(project)[0]
     tensors = load_file(path)
@@ -418,9 +418,9 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
     without, and a position the scoring does not judge is refused, not silently read elsewhere."""
     import numpy as np
 
-    from pipeline.verify_fit import load_embedding
-    from pipeline.verify_sample_positions import judged_positions
-    from pipeline.verify_samples import Coherence
+    from pipeline.verification.samples.fit import load_embedding
+    from pipeline.verification.samples.positions import judged_positions
+    from pipeline.verification.samples.scores import Coherence
 
     target = load_target(project / layout.TARGET_JSON)
     layer_ids = read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"]
@@ -456,7 +456,7 @@ def test_final_states_kept_by_the_scoring_equal_the_tensors(project: Path):
 
 
 def test_final_positions_split_into_pieces_a_staging_buffer_holds():
-    from pipeline.verify_final_head import split_positions
+    from pipeline.verification.final_head import split_positions
 
     chosen = [("a", torch.arange(5), "ids a"), ("b", torch.arange(10, 13), "ids b"), ("c", torch.tensor([7]), "ids c")]
     pieces = split_positions(chosen, 4)
@@ -471,7 +471,7 @@ def test_final_positions_split_into_pieces_a_staging_buffer_holds():
 
 
 def test_scoring_batches_never_exceed_their_rows_unless_one_sample_does():
-    from pipeline.verify_sample_positions import batch_capacity, batches
+    from pipeline.verification.samples.positions import batch_capacity, batches
 
     items = [(i, None, None, range(n)) for i, n in enumerate([3, 2, 4, 9, 1, 1])]
     got = [[item[0] for item in batch] for batch in batches(items, 5)]

@@ -20,7 +20,7 @@ import pytest
 from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.params import VerifyParams
-from pipeline.verify_reference_check import reference_selection
+from pipeline.verification.reference.check import reference_selection
 from tests.conftest import EXTRACT_PARAMS, copy_project, make_prepared, run_stage
 from tests.test_verify_samples import FAULTS, plant, samples_of
 

@@ -1,4 +1,4 @@
-"""An audited shard read in full (pipeline/verify_audit.py): its sha256 and every sample's statistics from one read
+"""An audited shard read in full (pipeline/verification/audit.py): its sha256 and every sample's statistics from one read
 must be what the two separate reads give: the file's sha256 and `shard_stats.sample_stats` of each sample, bit for
 bit; a shard whose header does not fit its bytes still gets its digest."""
 
@@ -13,9 +13,9 @@ import torch
 
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import Sample, read_header, write_shard
-from pipeline.shard_view import ShardView
 from pipeline.target import sha256_file
-from pipeline.verify_audit import read_in_full
+from pipeline.verification.audit import read_in_full
+from pipeline.verification.shard_view import ShardView
 
 
 def shard_of(tmp_path: Path, dtype: torch.dtype, lengths: list[int], hidden: int, nan_at: tuple | None = None) -> Path:

@@ -15,7 +15,7 @@ from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
 from pipeline.params import VerifyParams
-from pipeline.verify_reference_check import reference_selection
+from pipeline.verification.reference.check import reference_selection
 from tests.conftest import copy_project, run_stage
 
 pytestmark = pytest.mark.slow

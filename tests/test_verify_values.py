@@ -1,4 +1,4 @@
-"""Verify's value check on a sample's statistics (pipeline/verify_values.py) at a
+"""Verify's value check on a sample's statistics (pipeline/verification/values.py) at a
 real width: a sample of 600 tokens at H 4096 spans three of `shard_stats.sample_stats`' chunks of a layer, which the
 embedded default's samples (one chunk each) never do. Shards are written by the project's writer, so the manifest's
 record is what an extractor leaves for the data."""
@@ -14,8 +14,8 @@ import torch
 
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import Sample, manifest_path, read_header, write_shard
-from pipeline.shard_view import ShardView
-from pipeline.verify_values import bad_values, suspect_layers
+from pipeline.verification.shard_view import ShardView
+from pipeline.verification.values import bad_values, suspect_layers
 
 LAYER_IDS = [2, 16, 29]
 T, H = 600, 4096  # 256 rows a chunk at H 4096: rows 0-255, 256-511, 512-599

@@ -138,8 +138,8 @@ def seed_figures(jobs: dict) -> dict:
 
 def smoke_budget_gib(model_dir: Path, max_tokens: int) -> float:
     """A budget just above the streamed reference's smallest unit for the built model (smoke: experts in chunks)."""
-    from pipeline.reference_cost import GIB, stream_plan
-    from pipeline.streamed_reference import Checkpoint, Skeleton
+    from pipeline.verification.reference.cost import GIB, stream_plan
+    from pipeline.verification.reference.streamed import Checkpoint, Skeleton
 
     cost = Skeleton(Checkpoint(model_dir), False).cost()
     return round(stream_plan(cost, 1 << 50, max_tokens, "bfloat16").min_budget_bytes * 1.1 / GIB, 6)

@@ -35,7 +35,7 @@ def _run_verify(proj: Path, **params) -> tuple[str | None, float]:
 
 
 def fit_inputs(meta: dict) -> dict:
-    """The per-sample tests' fit at this shape (pipeline/verify_least_squares.py, fit_folds; since 50ca83e):
+    """The per-sample tests' fit at this shape (pipeline/verification/samples/least_squares.py, fit_folds; since 50ca83e):
     inputs (L + 1) H + 1 per row, one fp64 Gram matrix of them at a time (a fold's, solved in place), the fit's rows
     (fp32), the fold's map, and per fold and half the whitened test's residual sums L H^2 in fp64."""
     layers, hidden = len(meta["layer_ids"]), int(meta["hidden_size"])
@@ -52,9 +52,11 @@ def job_verify(state: dict, name: str) -> dict:
     import torch
 
     from gpu_jobs.gpu_peaks import Peaks
-    from pipeline import layout, reference, verify_shards
+    from pipeline import layout
     from pipeline.hidden_states import format as shards
     from pipeline.stages import verify
+    from pipeline.verification import shards as verify_shards
+    from pipeline.verification.reference import model as reference
 
     src = Path(state[f"project_{name}"])
     spec = state[f"spec_{name}"]

@@ -146,7 +146,7 @@ def head_microbench(ref) -> dict:
 
     import torch
 
-    from pipeline import verify_final_head
+    from pipeline.verification import final_head as verify_final_head
 
     dev, bf16 = ref.device, torch.bfloat16
     if dev.type != "cuda":
@@ -245,7 +245,7 @@ def profiling_scan(timings: dict) -> None:
     one run."""
     import torch
 
-    from pipeline import verify_shards
+    from pipeline.verification import shards as verify_shards
 
     scan = verify_shards.scan_shards
 
@@ -273,7 +273,7 @@ def watch_fit_memory(timings: dict) -> None:
     and what it leaves allocated (the references may load beside it: their growth is in the peak too)."""
     import torch
 
-    from pipeline import verify_shards
+    from pipeline.verification import shards as verify_shards
 
     if not torch.cuda.is_available() or getattr(verify_shards.fit_coherence, "watched", False):
         return
@@ -340,7 +340,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         log(f"verifyall {name} profiled_cold_process: {json.dumps(summary['profiled_cold_process'])}")
     import torch
 
-    from pipeline import verify_samples
+    from pipeline.verification.samples import scores as verify_samples
 
     # VERIFY_COLD_ONLY=1: the cold processes alone (a short call: no in-process runs, no profile)
     cold_only = os.environ.get("VERIFY_COLD_ONLY") == "1"
@@ -398,7 +398,7 @@ def job_verify_all(state: dict, name: str) -> dict:
         return {"summary": summary}
     # the data pass alone: references loaded beforehand (what grows with the data, without the
     # load it otherwise overlaps)
-    from pipeline import reference
+    from pipeline.verification.reference import model as reference
 
     meta = json.loads((proj / layout.HIDDEN_STATES_DIR / "extract_meta.json").read_text())
     preloaded = reference.load_references(Path(model_dir), meta["dtype"])

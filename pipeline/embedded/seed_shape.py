@@ -101,7 +101,7 @@ def check_reference_budget(cfg: dict, budget_gib: float | None, max_tokens: int,
     checked when verify runs), from the config alone: a budget below its smallest unit of work is an
     error naming verify.reference_memory_gib and the smallest budget that would do (of a GPU's memory when
     `on_gpu`, where verify will run it), before any weight is made."""
-    from pipeline.reference_cost import GIB, from_config, stream_plan
+    from pipeline.verification.reference.cost import GIB, from_config, stream_plan
 
     cost = from_config(cfg, 2.0, 0.5 + 2.0 / group_size)  # bf16 dense, INT4 experts with bf16 scales per group
     if budget_gib is None:

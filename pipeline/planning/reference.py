@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 from pipeline.errors import PipelineError
 from pipeline.extraction.capacity import human_bytes, human_seconds
-from pipeline.reference_cost import BUDGET_PARAM, GIB, from_config, stream_plan, whole_model_bytes
+from pipeline.verification.reference.cost import BUDGET_PARAM, GIB, from_config, stream_plan, whole_model_bytes
 
 READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed): the whole-model load
 # the streamed reference, unit by unit: read on the host, copied up, INT4 dequantized, one unit ahead (measured: the

@@ -6,7 +6,7 @@ Checks (docs/ARCHITECTURE.md lists what each catches):
               and unique; audited shards (seeded sample): sha256, recorded statistics vs bytes
   values      from the statistics the extractor recorded per sample and layer: finite, no
               all-zero or constant layer, per-layer stats per shard, outlier shards
-  samples     every sample on its own (pipeline/verify_samples.py): every sample_stride-th position
+  samples     every sample on its own (pipeline/verification/samples/scores.py): every sample_stride-th position
               of every sample, all captured layers, scored for coherence with the other layers and
               the token's embedding; runs of sample_window positions tested against the run's and
               the sample's own windows at a Bonferroni-bounded false-alarm rate; layers exchanged
@@ -30,14 +30,19 @@ from pipeline.errors import PipelineError
 from pipeline.hidden_states.format import read_meta
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, VERIFY_VERDICT
 from pipeline.params import VerifyParams
-from pipeline.reference import FinalHeadModel, load_final_head, load_references
-from pipeline.streamed_reference import choose_reference, shard_sequences, stream_references
 from pipeline.target import load_target
-from pipeline.verify_fit import load_embedding
-from pipeline.verify_reference_check import BF16_REL_FLOOR, check_layer_tolerance, check_reference, reference_selection  # noqa: F401
-from pipeline.verify_report import CHECKS, REPORT_DIR, Report, write_outputs
-from pipeline.verify_scan import default_workers
-from pipeline.verify_shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
+from pipeline.verification.reference.check import (  # noqa: F401
+    BF16_REL_FLOOR,
+    check_layer_tolerance,
+    check_reference,
+    reference_selection,
+)
+from pipeline.verification.reference.model import FinalHeadModel, load_final_head, load_references
+from pipeline.verification.reference.streamed import choose_reference, shard_sequences, stream_references
+from pipeline.verification.report import CHECKS, REPORT_DIR, Report, write_outputs
+from pipeline.verification.samples.fit import load_embedding
+from pipeline.verification.scan import default_workers
+from pipeline.verification.shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
 
 PER_CHECK = 10  # failures of each check in the error message (all of them: reports/verify/report.md)
 
@@ -62,7 +67,7 @@ def run(params: VerifyParams) -> None:
     from datasets import load_from_disk
 
     prepared = load_from_disk(str(PREPARED_DATASET))
-    # whole model or streamed (streamed_reference.py); a budget too small fails here, before loading
+    # whole model or streamed (pipeline/verification/reference/streamed.py); a budget too small fails here, before loading
     choice = choose_reference(target.path, meta["dtype"], params.reference_memory_gib,
                               max(prepared["seq_len"], default=1), target.trust_remote_code)
     # The final-state pass needs only the final norm and lm_head: loaded alone first (this also

@@ -1,8 +1,8 @@
 """`python -m pipeline upgrade-layout` (`make upgrade-layout`): carry a finished project across the package layout
 without re-running a stage the move did not change.
 
-The move of pipeline/'s modules into packages (workflow/, training/, planning/, hidden_states/, extraction/ and
-embedded/) changed every stage's code deps in dvc.yaml: DVC records a dep by path and md5, so after the move every
+The move of pipeline/'s modules into packages (workflow/, training/, planning/, hidden_states/, extraction/,
+embedded/ and verification/) changed every stage's code deps in dvc.yaml: DVC records a dep by path and md5, so after the move every
 stage looks changed and `dvc repro` would re-run them all (extraction included). This command re-records, with
 `dvc commit -f`, exactly the stages whose only change is that move:
 
@@ -11,8 +11,10 @@ stage looks changed and `dvc repro` would re-run them all (extraction included).
 2. the code dvc.lock recorded for it is found, byte for byte (its md5), in git's history at its old path (a folder
    dep through DVC's cache of its listing, or rebuilt from git), and each of those modules is, at its new path
    (MOVED), the same program: the same syntax tree once the import statements are read as what they bind and the
-   moved module names and paths in strings are read back as the old ones. A module's docstring-only __init__.py,
-   gained or lost by a folder dep, changes nothing.
+   moved module names and paths in strings are read back as the old ones. A definition the layout moved to
+   another module (MOVED_DEFINITIONS) is compared as itself, wherever the stage's code holds it; a name it wrote out
+   as its value (INLINED) reads as that value. A module's docstring-only __init__.py, gained or lost by a folder
+   dep, changes nothing.
 
 Everything else is reported and left to `dvc repro`. `--dry-run` says what it would do and commits nothing.
 """
@@ -52,6 +54,35 @@ MOVED = {
     "pipeline/vllm_compat.py": "pipeline/extraction/vllm_compat.py",
     "pipeline/hs_connector.py": "pipeline/extraction/hs_connector.py",
     "pipeline/seed_shape.py": "pipeline/embedded/seed_shape.py",
+    "pipeline/reference.py": "pipeline/verification/reference/model.py",
+    "pipeline/streamed_reference.py": "pipeline/verification/reference/streamed.py",
+    "pipeline/reference_cost.py": "pipeline/verification/reference/cost.py",
+    "pipeline/verify_reference_check.py": "pipeline/verification/reference/check.py",
+    "pipeline/agreement.py": "pipeline/verification/reference/agreement.py",
+    "pipeline/verify_samples.py": "pipeline/verification/samples/scores.py",
+    "pipeline/verify_sample_judge.py": "pipeline/verification/samples/judge.py",
+    "pipeline/verify_sample_positions.py": "pipeline/verification/samples/positions.py",
+    "pipeline/verify_sample_next_token.py": "pipeline/verification/samples/next_token.py",
+    "pipeline/verify_fit.py": "pipeline/verification/samples/fit.py",
+    "pipeline/verify_least_squares.py": "pipeline/verification/samples/least_squares.py",
+    "pipeline/verify_whitening.py": "pipeline/verification/samples/whitening.py",
+    "pipeline/verify_shards.py": "pipeline/verification/shards.py",
+    "pipeline/verify_scan.py": "pipeline/verification/scan.py",
+    "pipeline/verify_values.py": "pipeline/verification/values.py",
+    "pipeline/verify_audit.py": "pipeline/verification/audit.py",
+    "pipeline/verify_final_head.py": "pipeline/verification/final_head.py",
+    "pipeline/verify_report.py": "pipeline/verification/report.py",
+    "pipeline/shard_view.py": "pipeline/verification/shard_view.py",
+    "pipeline/host_staging.py": "pipeline/verification/host_staging.py",
+}
+# definitions the layout moved from one module to another, old module name -> {name: its home, as the old layout
+# named that module}: read as the same program when the definition itself is unchanged
+MOVED_DEFINITIONS = {
+    "pipeline.verify_scan": {"Finding": "pipeline.verify_report"},
+}
+# names the layout wrote out as their value where a module imported them (old layout's name -> the value)
+INLINED = {
+    "pipeline.reference_cost.BUDGET_PARAM": "verify.reference_memory_gib",
 }
 
 
@@ -62,6 +93,7 @@ def _module(path: str) -> str:
 # new -> old, module names and paths, longest first (pipeline.planning.reference before anything shorter)
 _BACK = sorted(((_module(n), _module(o)) for o, n in MOVED.items()), key=lambda p: -len(p[0]))
 _BACK_PATHS = sorted(((n, o) for o, n in MOVED.items()), key=lambda p: -len(p[0]))
+_BARE = sorted(MOVED, key=lambda o: -len(o))
 
 
 def old_name(name: str) -> str:
@@ -73,27 +105,66 @@ def old_name(name: str) -> str:
 
 
 def old_text(text: str) -> str:
-    """A string with the moved module names and paths written as before the move."""
+    """A string with the moved module names and paths written as before the move (a bare file name as its path)."""
     for new, old in _BACK_PATHS:
         text = re.sub(rf"(?<![\w/.]){re.escape(new)}\b", old, text)
     for new, old in _BACK:
         text = re.sub(rf"(?<![\w.]){re.escape(new)}\b", old, text)
+    # a moved module's bare file name (`verify_scan.py`) is its old path, as its new path now reads
+    for old in _BARE:
+        text = re.sub(rf"(?<![\w/.-]){re.escape(old.rpartition('/')[2])}\b", old, text)
     return text
 
 
-def _bindings(node: ast.Import | ast.ImportFrom) -> list[str]:
+# a moved definition by either of its homes (old layout's names) -> the name it had at its first home
+_DEFINED = {f"{home}.{name}": f"{module}.{name}" for module, names in MOVED_DEFINITIONS.items()
+            for name, home in names.items()} | {f"{module}.{name}": f"{module}.{name}"
+                                                 for module, names in MOVED_DEFINITIONS.items() for name in names}
+
+
+def _targets(node: ast.Import | ast.ImportFrom) -> list[tuple[str | None, str]]:
+    """(the local name bound or None for a plain `import a.b`, the old layout's name of what it binds) per name."""
     if isinstance(node, ast.Import):
-        return [f"{a.asname} = {old_name(a.name)}" if a.asname else f"import {old_name(a.name)}" for a in node.names]
+        return [(a.asname, old_name(a.name)) for a in node.names]
     base = "." * node.level + (node.module or "")
-    return [f"{a.asname or a.name} = {old_name(f'{base}.{a.name}')}" for a in node.names]
+    return [(a.asname or a.name, old_name(f"{base}.{a.name}")) for a in node.names]
+
+
+def _bindings(node: ast.Import | ast.ImportFrom) -> list[str]:
+    # a moved definition or an inlined name is bound on one side only: read as neither
+    return [f"{local} = {target}" if local else f"import {target}" for local, target in _targets(node)
+            if target not in _DEFINED and target not in INLINED]
 
 
 class _Canonical(ast.NodeTransformer):
-    """Each run of import statements -> one marker holding what they bind; strings -> the old layout's names."""
+    """Each run of import statements -> one marker holding what they bind; strings -> the old layout's names;
+    a name bound to an inlined one (INLINED) -> its value, merged into the f-string around it."""
+
+    def __init__(self, inlined: dict[str, str] | None = None) -> None:
+        self.inlined = inlined or {}
 
     def visit_Constant(self, node: ast.Constant) -> ast.Constant:
         if isinstance(node.value, str):
             node.value = old_text(node.value)
+        return node
+
+    def visit_Name(self, node: ast.Name) -> ast.AST:
+        if isinstance(node.ctx, ast.Load) and node.id in self.inlined:
+            return ast.Constant(self.inlined[node.id])
+        return node
+
+    def visit_JoinedStr(self, node: ast.JoinedStr) -> ast.JoinedStr:
+        self.generic_visit(node)
+        values: list[ast.expr] = []
+        for v in node.values:
+            if isinstance(v, ast.FormattedValue) and isinstance(v.value, ast.Constant) and \
+                    isinstance(v.value.value, str) and v.conversion == -1 and v.format_spec is None:
+                v = v.value
+            if isinstance(v, ast.Constant) and values and isinstance(values[-1], ast.Constant):
+                values[-1] = ast.Constant(values[-1].value + v.value)
+            else:
+                values.append(v)
+        node.values = values
         return node
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
@@ -118,13 +189,42 @@ def _fold_imports(body: list[ast.stmt]) -> Iterable[ast.stmt]:
         yield ast.Expr(ast.Constant("imports: " + "; ".join(sorted(run))))
 
 
-def canonical(source: str) -> str:
-    return ast.dump(_Canonical().visit(ast.parse(source)))
+def _defined_name(stmt: ast.stmt) -> str | None:
+    if isinstance(stmt, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+        return stmt.name
+    if isinstance(stmt, ast.Assign | ast.AnnAssign):
+        targets = stmt.targets if isinstance(stmt, ast.Assign) else [stmt.target]
+        if len(targets) == 1 and isinstance(targets[0], ast.Name):
+            return targets[0].id
+    return None
 
 
-def same_program(old_source: str, new_source: str) -> bool:
-    """Whether a module moved by the layout is the program it was (imports and moved names aside)."""
-    return canonical(old_source) == canonical(new_source)
+def canonical(source: str, module: str | None = None, moved: dict[str, str] | None = None) -> str:
+    """The module's syntax tree as the old layout would read it. `module` (its old layout's name) and `moved`: the
+    definitions the layout moved out of it or into it (MOVED_DEFINITIONS) are taken out of its body into `moved`,
+    by the name they had at their first home."""
+    tree = ast.parse(source)
+    inlined = {local or target: INLINED[target] for node in ast.walk(tree) if isinstance(node, ast.Import | ast.ImportFrom)
+               for local, target in _targets(node) if target in INLINED}
+    tree = _Canonical(inlined).visit(tree)
+    if module is not None:
+        body = []
+        for stmt in tree.body:
+            name = _defined_name(stmt)
+            if name is not None and (first := _DEFINED.get(f"{module}.{name}")):
+                if moved is not None:
+                    moved[first] = ast.dump(stmt)
+                continue
+            body.append(stmt)
+        tree.body = body
+    return ast.dump(tree)
+
+
+def same_program(old_source: str, new_source: str, module: str | None = None) -> bool:
+    """Whether a module moved by the layout is the program it was (imports and moved names aside). With `module`
+    (its old layout's name), the definitions the layout moved into or out of it are set aside: stage_verdict compares
+    them between the stage's old and new code."""
+    return canonical(old_source, module) == canonical(new_source, module)
 
 
 def docstring_only(source: str) -> bool:
@@ -256,12 +356,18 @@ def stage_verdict(root: Path, git: _Git, name: str, lock: dict, spec: dict, stat
     if set(moved) != set(new):
         gained, lost = sorted(set(new) - set(moved)), sorted(set(moved) - set(new))
         return f"its code is not the moved code (new: {gained or '-'}; gone: {lost or '-'})"
+    defined_old: dict[str, str] = {}
+    defined_new: dict[str, str] = {}
     for path, was in moved.items():
         if path.endswith(".py"):
-            if not same_program(old[was].decode(), new[path].decode()):
+            module = _module(was)
+            if canonical(old[was].decode(), module, defined_old) != canonical(new[path].decode(), module, defined_new):
                 return f"{path} is not {was} moved: its code changed"
         elif old[was] != new[path]:
             return f"{path} changed"
+    if defined_old != defined_new:
+        changed = sorted(n for n in defined_old.keys() | defined_new.keys() if defined_old.get(n) != defined_new.get(n))
+        return f"definitions the layout moved between modules changed: {', '.join(changed)}"
     return None
 
 

@@ -1,7 +1,7 @@
 """verify's reference forward streamed from the checkpoint one unit at a time, its memory bounded by
 `verify.reference_memory_gib` whatever the target's size; and the choice between it and the whole model.
 
-Units, in order (reference_cost.py): the embedding; per decoder layer its dense part, then its routed
+Units, in order (pipeline/verification/reference/cost.py): the embedding; per decoder layer its dense part, then its routed
 experts in chunks sized to the budget (all at once where they fit); the final norm + lm_head. Each
 unit's tensors are read by name (INT4 pack-quantized ones dequantized, per-expert ones stacked into
 transformers' fused expert tensors) into the target's own transformers modules, built from its config
@@ -9,7 +9,7 @@ on the meta device, applied to every reference sample, then dropped. A backgroun
 next unit while the current one computes; every tensor is read once. The fp32 run and, for a
 low-precision capture, the run in the capture's dtype advance together on the same read. All N+1
 states per sample are kept on the host (the layer-identity check compares against each), in vLLM's
-convention (reference.py). A layer whose experts are chunked runs twice: once recording what its
+convention (pipeline/verification/reference/model.py). A layer whose experts are chunked runs twice: once recording what its
 experts module is called with, once with the chunks' summed outputs in its place.
 """
 
@@ -28,7 +28,16 @@ import torch
 from pipeline import int4
 from pipeline.errors import PipelineError
 from pipeline.hidden_states.format import read_header
-from pipeline.reference import (
+from pipeline.verification.reference.cost import (
+    BUDGET_PARAM,
+    GIB,
+    LayerCost,
+    ModelCost,
+    Unit,
+    stream_plan,
+    whole_model_bytes,
+)
+from pipeline.verification.reference.model import (
     DTYPES,
     FinalHeadModel,
     FinalLogits,
@@ -36,7 +45,6 @@ from pipeline.reference import (
     checkpoint_float_elements,
     tensor_locations,
 )
-from pipeline.reference_cost import BUDGET_PARAM, GIB, LayerCost, ModelCost, Unit, stream_plan, whole_model_bytes
 
 FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}  # transformers' fused -> per-expert names
 

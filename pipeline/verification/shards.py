@@ -1,4 +1,4 @@
-"""verify's per-shard checks, merged over the shard scan (pipeline/verify_scan.py): structure,
+"""verify's per-shard checks, merged over the shard scan (pipeline/verification/scan.py): structure,
 recorded values, outlier shards, storage, and each shard's next-token accuracy of its final states."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import torch
 
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import VerifyParams
-from pipeline.reference import DTYPES
-from pipeline.verify_fit import fit_coherence
-from pipeline.verify_report import Report
-from pipeline.verify_sample_judge import check_samples
-from pipeline.verify_scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
+from pipeline.verification.reference.model import DTYPES
+from pipeline.verification.report import Report
+from pipeline.verification.samples.fit import fit_coherence
+from pipeline.verification.samples.judge import check_samples
+from pipeline.verification.scan import PreparedTokens, ScanContext, scan_shards, scan_threads, staging_for
 
 OUTLIER_FACTOR = 3.0  # a shard's per-layer RMS this far from the median of all shards is flagged
 STORAGE_OVERHEAD_WARN = 1.5

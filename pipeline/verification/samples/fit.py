@@ -1,5 +1,5 @@
 """What the per-sample tests need before the scan: the target's input embedding and the coherence predictors
-fitted on a seeded subset of the run's rows (pipeline/verify_samples.py scores with them)."""
+fitted on a seeded subset of the run's rows (pipeline/verification/samples/scores.py scores with them)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import numpy as np
 import torch
 
 from pipeline.hidden_states.format import read_header, read_manifest
-from pipeline.reference import tensor_locations
-from pipeline.shard_view import ShardView
-from pipeline.verify_samples import Coherence
+from pipeline.verification.reference.model import tensor_locations
+from pipeline.verification.samples.scores import Coherence
+from pipeline.verification.shard_view import ShardView
 
 
 def load_embedding(path: Path, trust_remote_code: bool = False, device: str | None = None) -> torch.Tensor:

@@ -7,12 +7,12 @@ shards).
 
 What is read of a shard: its manifest, its safetensors header (names, dtypes, shapes, offsets),
 every sample's token ids and loss mask, every captured layer's rows at the positions the per-sample
-tests judge (pipeline/verify_samples.py), whose final-layer rows the final-state check takes at a
+tests judge (pipeline/verification/samples/scores.py), whose final-layer rows the final-state check takes at a
 seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
 tests, the final layer's rows at every masked position are read instead). The per-layer
 statistics come from the manifest, where the extractor recorded them from the tensors it wrote.
 An audited shard (a seeded sample, `verify.audit_*`, and any shard without records) is also read
-in full (pipeline/verify_audit.py, ahead of its scan in threads of its own): its sha256 is
+in full (pipeline/verification/audit.py, ahead of its scan in threads of its own): its sha256 is
 re-computed and its statistics re-derived from the bytes and compared with the record. Per-layer
 detail (which layer is NaN, all zeros) is worked out only for a sample already known bad.
 """
@@ -34,32 +34,19 @@ import torch
 
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import FORMAT_NAME, manifest_path, read_header, read_manifest
-from pipeline.host_staging import HostStaging
 from pipeline.progress import progress
-from pipeline.reference import FinalHeadModel, ReferenceModel
-from pipeline.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
-from pipeline.verify_audit import read_in_full
-from pipeline.verify_final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
-from pipeline.verify_sample_next_token import answered_positions, contrast_scores, contrast_tokens
-from pipeline.verify_sample_positions import batch_capacity, judged_positions
-from pipeline.verify_samples import INDICES_PER_ROW
-from pipeline.verify_values import bad_values, suspect_layers
+from pipeline.verification.audit import read_in_full
+from pipeline.verification.final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
+from pipeline.verification.host_staging import HostStaging
+from pipeline.verification.reference.model import FinalHeadModel, ReferenceModel
+from pipeline.verification.report import Finding
+from pipeline.verification.samples.next_token import answered_positions, contrast_scores, contrast_tokens
+from pipeline.verification.samples.positions import batch_capacity, judged_positions
+from pipeline.verification.samples.scores import INDICES_PER_ROW
+from pipeline.verification.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
+from pipeline.verification.values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know
-
-
-@dataclass
-class Finding:
-    check: str
-    message: str
-    shard: str | None = None
-    sample: int | None = None
-    layer: int | None = None
-    severity: str = "fail"  # fail | warn
-
-    def where(self) -> str:
-        parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
-        return ", ".join(parts)
 
 
 class PreparedTokens:

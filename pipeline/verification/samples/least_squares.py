@@ -1,6 +1,6 @@
 """The per-sample tests' cross-layer predictors (verify_samples.Coherence), fitted by least squares per fold: each
 captured layer from the other captured layers and the token's embedding, the first from the embedding alone; and,
-under the map that scores each fold, the whitened test's basis and the noise leak (verify_whitening.py)."""
+under the map that scores each fold, the whitened test's basis and the noise leak (pipeline/verification/samples/whitening.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipeline.verify_whitening import noise_leak, residual_covariances, residual_whitener
+from pipeline.verification.samples.whitening import noise_leak, residual_covariances, residual_whitener
 
 RIDGE = 1e-2  # of each standardised input's variance: best out-of-fold fit on the test targets (1e-4: overfits)
 

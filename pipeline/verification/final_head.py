@@ -1,5 +1,5 @@
 """The final-state check's head: argmax(lm_head(norm(h_N))) of a shard's chosen final-layer states, on the GPU
-when there is one (verify's scan, pipeline/verify_scan.py, calls it from its threads); which masked positions are
+when there is one (verify's scan, pipeline/verification/scan.py, calls it from its threads); which masked positions are
 chosen, and their chunks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from pipeline.reference import FinalHeadModel, ReferenceModel
+from pipeline.verification.reference.model import FinalHeadModel, ReferenceModel
 
 # [positions, vocab] fp32 logits are large (8,192 x 128k = 4 GiB): a shard's positions go through
 # lm_head in chunks, and at most two chunks are on the GPU at once
@@ -68,7 +68,7 @@ class FinalHead:
     def predict(self, final_states: torch.Tensor, tokens: torch.Tensor | None,
                 timed: Callable[[str, float], float] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`argmax`, and where `tokens` [P, K] (token ids per state) is given, the log-probabilities [P, K] the head gives
-        those tokens (fp32, on the CPU): the per-sample next-token test's evidence (verify_sample_next_token.py)."""
+        those tokens (fp32, on the CPU): the per-sample next-token test's evidence (pipeline/verification/samples/next_token.py)."""
         lap = timed or (lambda _key, _since: time.perf_counter())
         out, chosen = [], []
         for i in range(0, final_states.shape[0], FINAL_CHUNK_POSITIONS):

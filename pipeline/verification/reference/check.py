@@ -11,11 +11,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from pipeline import agreement
 from pipeline.params import VerifyParams
 from pipeline.progress import progress
-from pipeline.reference import References
-from pipeline.verify_report import Report
+from pipeline.verification.reference import agreement
+from pipeline.verification.reference.model import References
+from pipeline.verification.report import Report
 
 BF16_REL_FLOOR = 2.0**-8  # bf16 rounding alone gives about this relative error
 

@@ -18,8 +18,8 @@ import numpy as np
 
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.format import read_header
-from pipeline.shard_view import _NUMPY_VIEW, ShardView
 from pipeline.target import sha256_file
+from pipeline.verification.shard_view import _NUMPY_VIEW, ShardView
 
 
 @dataclass

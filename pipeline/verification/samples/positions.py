@@ -1,4 +1,4 @@
-"""Where the per-sample tests look (pipeline/verify_samples.py): each sample's judged positions, its seeded fold and
+"""Where the per-sample tests look (pipeline/verification/samples/scores.py): each sample's judged positions, its seeded fold and
 half, and how samples are cut into scoring batches. Seeded by (verify.seed, sample id) alone, so a sample's positions
 and fold do not depend on which shard holds it, on the order the scan's threads reach it, or on the other samples."""
 

@@ -1,4 +1,4 @@
-"""verify's per-sample verdicts: every sample's coherence scores (verify_samples.py) judged against the run's.
+"""verify's per-sample verdicts: every sample's coherence scores (pipeline/verification/samples/scores.py) judged against the run's.
 
 Windows of sample_window positions are compared with all windows of the run (median and robust
 sigma) and with the sample's own other windows, at a Bonferroni-bounded false-alarm rate for the
@@ -14,8 +14,14 @@ from statistics import NormalDist
 import numpy as np
 import torch
 
-from pipeline.verify_report import Report
-from pipeline.verify_samples import EXCHANGE_POSITIONS, WHOLE_MIN_SAMPLES, Coherence, SampleScores, tests_per_position
+from pipeline.verification.report import Report
+from pipeline.verification.samples.scores import (
+    EXCHANGE_POSITIONS,
+    WHOLE_MIN_SAMPLES,
+    Coherence,
+    SampleScores,
+    tests_per_position,
+)
 
 WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
 # Clean scores have heavier tails than the MAD's normal law: within-sample maxima 7.7-9.4 robust sigmas on the
@@ -87,7 +93,7 @@ def ranked_normal(values: list[torch.Tensor]) -> list[torch.Tensor]:
 def token_identity(scores: list[SampleScores], layers: int) -> list[torch.Tensor]:
     """Per sample [P]: does each judged position's state belong to this sample's tokens, from both ends of the captured
     stack: the token test's ratio (the first layer against E[id] and its neighbours') and the next-token test's contrast
-    (the final layer through lm_head: verify_sample_next_token.py), each as its normal score ranked over the run, summed
+    (the final layer through lm_head: pipeline/verification/samples/next_token.py), each as its normal score ranked over the run, summed
     and divided by sqrt(2). Ranked, because neither has a clean law that robust sigmas describe: the contrast is skewed
     and heavy-tailed (a user's new question after an answer: a trained target confidently predicts another
     continuation), and on the tiny DeepSeek-V3 the token ratio's clean tail lifted its threshold to 10.4 robust sigmas.

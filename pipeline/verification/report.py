@@ -10,12 +10,24 @@ import torch
 
 from pipeline.atomic import atomic_write_text
 from pipeline.layout import METRICS, REPORTS
-from pipeline.reference_cost import BUDGET_PARAM
-from pipeline.verify_scan import Finding
 
 REPORT_DIR = REPORTS / "verify"
 LAYER_CSV = METRICS / "verify_layers.csv"
 CHECKS = ("structure", "values", "samples", "reference", "final_state", "storage")
+
+
+@dataclass
+class Finding:
+    check: str
+    message: str
+    shard: str | None = None
+    sample: int | None = None
+    layer: int | None = None
+    severity: str = "fail"  # fail | warn
+
+    def where(self) -> str:
+        parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
+        return ", ".join(parts)
 
 
 @dataclass
@@ -164,7 +176,7 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out.append("")
     out.append(f"Verify took {s.get('verify_seconds')} s" + (f" ({s['verify_over_extract_time']:.1%} of extraction time)." if "verify_over_extract_time" in s else "."))
     out.append(
-        f"Reference forward: {s.get('reference')}, because {s.get('reference_choice')} ({BUDGET_PARAM}). "
+        f"Reference forward: {s.get('reference')}, because {s.get('reference_choice')} (verify.reference_memory_gib). "
         f"Reference models: {s.get('reference_load')} ({s.get('reference_load_seconds')} s{', while the shards were scanned' if s.get('reference') == 'whole model' else ', after the scan'}); "
         f"per-sample predictors fitted in {s.get('coherence_fit_seconds')} s; the scan's staging buffers made in "
         f"{s.get('staging_seconds')} s; shard scan {s.get('scan_seconds')} s; reference forwards and comparisons "
@@ -187,7 +199,7 @@ def samples_line(s: dict) -> str:
 
 
 def render_sample_tests(t: dict | None) -> list[str]:
-    """What the per-sample tests measure, their thresholds and the clean population (pipeline/verify_samples.py)."""
+    """What the per-sample tests measure, their thresholds and the clean population (pipeline/verification/samples/scores.py)."""
     if not t:
         return []
     out = [

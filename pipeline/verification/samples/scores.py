@@ -1,5 +1,5 @@
 """Every sample scored on its own: per-token coherence of the captured layers with each other and
-with the token (the verdicts on these scores: verify_sample_judge.py).
+with the token (the verdicts on these scores: pipeline/verification/samples/judge.py).
 
 The residual stream ties a token's captured layers together and to its own embedding: layer j is
 largely a linear function of the other captured layers and of E[token]. A linear predictor per
@@ -37,9 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.host_staging import StagingBuffer, new_buffer
-from pipeline.verify_least_squares import FoldFit, fit_folds
-from pipeline.verify_sample_positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
+from pipeline.verification.host_staging import StagingBuffer, new_buffer
+from pipeline.verification.samples.least_squares import FoldFit, fit_folds
+from pipeline.verification.samples.positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
 
 ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
@@ -61,7 +61,7 @@ class SampleScores:
     # per adjacent pair of captured layers (i, i + 1): mean log(share as written / share with the two
     # exchanged) over the first EXCHANGE_POSITIONS judged positions; > 0: they fit better exchanged
     exchange: torch.Tensor | None = None
-    # [P] the next-token test's scores (verify_sample_next_token.py), set by the scan where the target's head is loaded
+    # [P] the next-token test's scores (pipeline/verification/samples/next_token.py), set by the scan where the target's head is loaded
     next_token: torch.Tensor | None = None
 
 
@@ -113,7 +113,7 @@ class Coherence:
         return seeded_draw(f"half/{self.seed}/{sid}", 2)
 
     def fit(self, chunks) -> None:
-        """Least squares on (fold, sample, inputs) chunks, one per fold (pipeline/verify_least_squares.py); then once
+        """Least squares on (fold, sample, inputs) chunks, one per fold (pipeline/verification/samples/least_squares.py); then once
         more without the samples the first fit finds far off the others (a faulty sample in the fit would make every
         sample of the other fold score worse)."""
         chunks = list(chunks)
@@ -222,7 +222,7 @@ class Coherence:
         """Per sample (id, hidden states [T, L, H] as stored, dtype, input ids) its scores, in order. A
         shard's samples are scored together, in batches of up to BATCH_ROWS judged rows sorted by fold and half, so
         a GPU runs a few large products per shard instead of a dozen small kernels per sample. The rows go up from
-        `staging` (the scan's, made before it: pipeline/host_staging.py; None: a buffer made for this call). `timed`
+        `staging` (the scan's, made before it: pipeline/verification/host_staging.py; None: a buffer made for this call). `timed`
         (e.g. `ShardScan.timed`) is told where the time went: coherence_stage, coherence_slot_wait, coherence_compute."""
         return self.score_keeping_final_states(samples, {}, timed, staging)[0]
 
