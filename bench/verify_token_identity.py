@@ -22,13 +22,13 @@ from datasets import load_from_disk
 
 from pipeline.hidden_states.format import complete_shards, load_sample, read_manifest
 from pipeline.params import VerifyParams
-from pipeline.reference import load_final_head
-from pipeline.verify_final_head import FinalHead
-from pipeline.verify_fit import fit_coherence, load_embedding
-from pipeline.verify_reference_check import reference_selection
-from pipeline.verify_report import Report
-from pipeline.verify_sample_judge import check_samples
-from pipeline.verify_sample_next_token import answered_positions, contrast_scores, contrast_tokens
+from pipeline.verification.final_head import FinalHead
+from pipeline.verification.reference.check import reference_selection
+from pipeline.verification.reference.model import load_final_head
+from pipeline.verification.report import Report
+from pipeline.verification.samples.fit import fit_coherence, load_embedding
+from pipeline.verification.samples.judge import check_samples
+from pipeline.verification.samples.next_token import answered_positions, contrast_scores, contrast_tokens
 
 START = 40
 
