@@ -7,9 +7,10 @@ shards).
 
 What is read of a shard: its manifest, its safetensors header (names, dtypes, shapes, offsets),
 every sample's token ids and loss mask, every captured layer's rows at the positions the per-sample
-tests judge (pipeline/verification/samples/scores.py), whose final-layer rows the final-state check takes at a
-seeded sample of the masked ones (with `final_state_positions_per_shard: null`, or no per-sample
-tests, the final layer's rows at every masked position are read instead). The per-layer
+tests judge (pipeline/verification/samples/scores.py), whose final-layer rows at the answers' positions go through
+lm_head: the token identity's next-token contrast reads each (pipeline/verification/samples/next_token.py), the
+final-state check a seeded sample of them (with `final_state_positions_per_shard: null`, or no per-sample tests, the
+final layer's rows at every masked position are read instead). The per-layer
 statistics come from the manifest, where the extractor recorded them from the tensors it wrote.
 An audited shard (a seeded sample, `verify.audit_*`, and any shard without records) is also read
 in full (pipeline/verification/audit.py, ahead of its scan in threads of its own): its sha256 is
