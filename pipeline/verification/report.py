@@ -108,7 +108,7 @@ def write_plots(report: Report) -> list[str]:
     ax.set_yticks(range(len(ids)), ids)
     ax.set_xlabel("reference state")
     ax.set_ylabel("declared layer id")
-    ax.set_title("log10 relative error: must be darkest on the declared id")
+    ax.set_title("log10 relative error: must be smallest (brightest) on the declared id")
     fig.colorbar(im)
     fig.tight_layout()
     fig.savefig(REPORT_DIR / "layer_identity.png", dpi=100)
