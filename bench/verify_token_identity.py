@@ -2,8 +2,9 @@
 
 Fits the predictors and scores every sample as verify's scan does (the token-identity test's next-token contrast
 through the target's own lm_head included), judges the clean run with the real `check_samples`, then per victim
-plants, in memory, every captured layer's rows shifted by one token over K positions (from position 40) or taken from
-another request of at least the victim's length, re-scores that sample and judges the whole run again.
+plants, in memory, every captured layer's rows (then the final layer's alone) shifted by one token over K positions
+(from position 40) or taken from another request of at least the victim's length, re-scores that sample and judges
+the whole run again.
 
     python bench/verify_token_identity.py PROJECT_DIR [VICTIMS] [LENGTHS]
 
@@ -72,20 +73,26 @@ def main(root: Path, victims_wanted: int, lengths: list[int]) -> None:
     longest = max(s.input_ids.numel() for s in samples.values())
     candidates = [sid for sid in sorted(samples) if sid not in refs and 100 <= samples[sid].input_ids.numel() < longest]
     victims = [candidates[i * (len(candidates) - 1) // max(victims_wanted - 1, 1)] for i in range(victims_wanted)]
-    for kind in [f"shifted over {k}" for k in lengths] + ["another request's every layer"]:
-        caught = 0
+    kinds = ([f"shifted over {k}" for k in lengths] + ["another request's every layer"]
+             + [f"final layer only, shifted over {k}" for k in lengths] + ["another request's final layer"])
+    for kind in kinds:
+        caught = failed = 0
+        layers = slice(-1, None) if "final layer" in kind else slice(None)
+        named = layer_ids[-1] if "final layer" in kind else layer_ids[0]
         for sid in victims:
             h = samples[sid].hidden_states.clone()
-            if kind.startswith("shifted"):
+            if "shifted" in kind:
                 k = int(kind.split()[-1])
-                h[START : START + k] = samples[sid].hidden_states[START - 1 : START + k - 1]
+                h[START : START + k, layers] = samples[sid].hidden_states[START - 1 : START + k - 1, layers]
             else:
                 length = h.shape[0]
                 other = next(o for o, s in sorted(samples.items()) if o != sid and s.input_ids.numel() >= length)
-                h[:] = samples[other].hidden_states[:length]
+                h[:, layers] = samples[other].hidden_states[:length, layers]
             found = [f for f in judge({**clean, sid: score(sid, h)}).failures("samples") if f.sample == sid]
-            caught += any(f.layer == layer_ids[0] for f in found)
-        print(f"  {kind}: caught and named in {caught} of {len(victims)} victims {victims}", flush=True)
+            caught += any(f.layer == named or "token-identity" in f.message for f in found)
+            failed += bool(found)
+        print(f"  {kind}: caught in {failed}, named (layer {named} or the token identity) in {caught} of {len(victims)} "
+              f"victims {victims}", flush=True)
 
 
 if __name__ == "__main__":
