@@ -1,0 +1,153 @@
+"""`python -m pipeline upgrade-layout` (`make upgrade-layout`) on a project finished before the package layout.
+
+Issue 50: a finished project from before the move upgrades without re-running extract. The project is this
+repository cloned at 2aeb9ee (the last commit before the layout moves) and made finished without running a stage:
+a small dummy file at every output of its dvc.yaml and a lock recorded with `dvc commit -f`. Then the code is
+brought to this repository's HEAD (its uncommitted tracked edits applied on top), dvc.lock and the outputs kept,
+and the command runs the way a user types it. It needs git's history back to 2aeb9ee (CI's `git clone` has it):
+the command finds the code dvc.lock recorded by its md5 in the project's git history.
+
+What must still re-run is the stages whose code changed for real after 2aeb9ee, not only moved: verify alone.
+`git log 2aeb9ee..HEAD -- pipeline` beside the `layout:` commits holds verify's code only: the token-identity test
+(ce4720a: verify_sample_next_token.py, now pipeline/verification/samples/next_token.py, is new; the judge, scan,
+final head, scores and report changed), lm_head on the judged answer positions only (d3fdc6e), and a docstring and
+a plot title (16020a2, e9a9319); and the upgrade command itself (2a63c29), no stage's dep. Every other stage's code
+only moved (its imports and the module names in its strings changed), so those stages, extract included, are
+re-recorded. Downstream of verify, train (artifacts/verify/verdict.json) and through it eval
+re-run only if verify's re-run changes the verdict's bytes (deterministic: a verify that passes again does not
+retrain); `dvc status` and `repro --dry` show only directly changed stages, so here that is verify alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+BEFORE_THE_MOVE = "2aeb9ee"
+STAGES = {"check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
+CHANGED_FOR_REAL = {"verify"}  # see the module docstring
+ONLY_MOVED = STAGES - CHANGED_FOR_REAL
+
+
+def sh(root: Path, *args: str, input: bytes | None = None) -> str:
+    """Run a command in `root` with this environment's bin/ (python, dvc) first on PATH, as a user's shell has it."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    proc = subprocess.run(list(args), cwd=root, env=env, input=input, capture_output=True)
+    assert proc.returncode == 0, f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stdout.decode()}{proc.stderr.decode()}"
+    return proc.stdout.decode()
+
+
+def outputs(dvc_yaml: Path) -> dict[str, list[str]]:
+    """Each stage's outputs (outs, metrics, plots) as dvc.yaml names them."""
+    stages = yaml.safe_load(dvc_yaml.read_text())["stages"]
+    return {name: [o if isinstance(o, str) else next(iter(o)) for key in ("outs", "metrics", "plots")
+                   for o in stage.get(key, [])] for name, stage in stages.items()}
+
+
+def status(root: Path) -> dict:
+    return json.loads(sh(root, "dvc", "status", "--json") or "{}")
+
+
+def lock(root: Path) -> dict:
+    return yaml.safe_load((root / "dvc.lock").read_text())["stages"]
+
+
+@pytest.fixture(scope="module")
+def upgraded(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The project finished at 2aeb9ee, its code brought to HEAD, then `upgrade-layout --dry-run` and the real one."""
+    if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout: the project is made from this repository's history")
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_THE_MOVE}^{{commit}}"],
+                      capture_output=True).returncode != 0:
+        pytest.fail(f"commit {BEFORE_THE_MOVE} (before the package layout) is not in this clone's history: "
+                    "a shallow clone? `git fetch --unshallow`")
+    head = sh(ROOT, "git", "rev-parse", "HEAD").strip()
+    root = tmp_path_factory.mktemp("upgrade") / "project"
+    sh(root.parent, "git", "clone", "-q", str(ROOT), str(root))
+    sh(root, "git", "checkout", "-q", BEFORE_THE_MOVE)
+
+    # finished without running a stage: a dummy at every output, a lock recorded for every stage
+    dummies = {}
+    for stage, outs in outputs(root / "dvc.yaml").items():
+        for out in outs:
+            path = root / out
+            if not path.suffix:  # a folder output (artifacts/model, reports/verify, ...)
+                path = path / "dummy.txt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"{stage}: {out}\n")
+            dummies[path] = path.read_bytes()
+    sh(root, "dvc", "commit", "-f")
+    assert status(root) == {}, "the project at 2aeb9ee is not finished"
+    assert set(lock(root)) == STAGES
+
+    # the code now: HEAD of this repository, with its uncommitted edits to tracked files (none in CI)
+    sh(root, "git", "checkout", "-q", head)
+    diff = subprocess.run(["git", "-C", str(ROOT), "diff", "HEAD", "--binary"], capture_output=True, check=True).stdout
+    if diff:
+        sh(root, "git", "apply", input=diff)
+
+    lock_text = (root / "dvc.lock").read_text()
+    before = status(root)
+    dry = sh(root, "python", "-m", "pipeline", "upgrade-layout", "--dry-run")
+    dry_lock_text = (root / "dvc.lock").read_text()
+    out = sh(root, "python", "-m", "pipeline", "upgrade-layout")
+    return {"root": root, "lock_before": yaml.safe_load(lock_text)["stages"], "lock_text": lock_text,
+            "dry_lock_text": dry_lock_text, "status_before": before, "dry": dry, "out": out, "dummies": dummies}
+
+
+def test_before_the_upgrade_every_stage_looks_changed_by_its_code_alone(upgraded):
+    before = upgraded["status_before"]
+    assert set(before) == STAGES, "the move should change every stage's code deps"
+    for stage, entries in before.items():
+        assert all(set(e) == {"changed deps"} for e in entries), (stage, entries)
+
+
+def test_dry_run_reports_the_same_and_commits_nothing(upgraded):
+    assert upgraded["dry_lock_text"] == upgraded["lock_text"]
+    # the same verdicts, stage by stage (the real run also prints `dvc commit`'s own lines)
+    verdicts = [line for line in upgraded["out"].splitlines() if not line.startswith("Updating lock file")]
+    assert upgraded["dry"].splitlines() == verdicts
+
+
+def test_extract_and_every_stage_whose_code_only_moved_are_re_recorded_not_re_run(upgraded):
+    out = upgraded["out"]
+    for stage in ONLY_MOVED:
+        assert f"{stage}: only moved code: re-recorded, not re-run" in out, out
+    for stage in CHANGED_FOR_REAL:
+        assert f"{stage}: left to `dvc repro`" in out, out
+    root = upgraded["root"]
+    after = status(root)
+    assert set(after) == CHANGED_FOR_REAL, after
+    assert "extract" not in after
+    # what `dvc repro` would run now: the stages whose code really changed, nothing else
+    dry = sh(root, "dvc", "repro", "--dry")
+    assert set(re.findall(r"Running stage '([\w-]+)'", dry)) == CHANGED_FOR_REAL, dry
+
+
+def test_the_lock_keeps_every_output_and_records_the_moved_code(upgraded):
+    root = upgraded["root"]
+    before, after = upgraded["lock_before"], lock(root)
+    assert set(after) == STAGES
+    for stage in STAGES:
+        assert after[stage].get("outs") == before[stage].get("outs"), f"{stage}'s outputs in dvc.lock changed"
+        assert after[stage].get("params") == before[stage].get("params"), stage
+    for stage in CHANGED_FOR_REAL:
+        assert after[stage] == before[stage], f"{stage} was re-recorded though its code changed for real"
+    # extract's lock now names its code where it lives (the shard format moved to pipeline/hidden_states/)
+    extract_deps = {d["path"] for d in after["extract"]["deps"]}
+    assert {"pipeline/hidden_states/format.py", "pipeline/hidden_states/stats.py"} <= extract_deps
+    assert "pipeline/shards.py" not in extract_deps
+    # the outputs themselves are untouched
+    for path, data in upgraded["dummies"].items():
+        assert path.read_bytes() == data, path
