@@ -1,21 +1,19 @@
 """`python -m pipeline upgrade-layout` (`make upgrade-layout`) on a project finished before the package layout.
 
-Issue 50: a finished project from before the move upgrades without re-running extract. The project is this
-repository cloned at 2aeb9ee (the last commit before the layout moves) and made finished without running a stage:
-a small dummy file at every output of its dvc.yaml and a lock recorded with `dvc commit -f`. Then the code is
-brought to this repository's HEAD (its uncommitted tracked edits applied on top), dvc.lock and the outputs kept,
-and the command runs the way a user types it. It needs git's history back to 2aeb9ee (CI's `git clone` has it):
-the command finds the code dvc.lock recorded by its md5 in the project's git history.
+A finished project from before the move upgrades without re-running extract. The project is this repository cloned at
+2aeb9ee (the last commit before the layout moves) and made finished without running a stage: a small dummy file at
+every output of its dvc.yaml and a lock recorded with `dvc commit -f`. Then the code is brought to this repository's
+HEAD (its uncommitted tracked edits applied on top), dvc.lock and the outputs kept, and the command runs the way a
+user types it. It needs git's history back to 2aeb9ee (CI's `git clone` has it): the command finds the code dvc.lock
+recorded by its md5 in the project's git history.
 
-What must still re-run is the stages whose code changed for real after 2aeb9ee, not only moved: verify alone.
-`git log 2aeb9ee..HEAD -- pipeline` beside the `layout:` commits holds verify's code only: the token-identity test
-(ce4720a: verify_sample_next_token.py, now pipeline/verification/samples/next_token.py, is new; the judge, scan,
-final head, scores and report changed), lm_head on the judged answer positions only (d3fdc6e), and a docstring and
-a plot title (16020a2, e9a9319); and the upgrade command itself (2a63c29), no stage's dep. Every other stage's code
-only moved (its imports and the module names in its strings changed), so those stages, extract included, are
-re-recorded. Downstream of verify, train (artifacts/verify/verdict.json) and through it eval
-re-run only if verify's re-run changes the verdict's bytes (deterministic: a verify that passes again does not
-retrain); `dvc status` and `repro --dry` show only directly changed stages, so here that is verify alone.
+What must still re-run is the stages whose code changed for real after 2aeb9ee, not only moved: verify alone (its
+per-sample tests gained the token identity: a new module, pipeline/verification/samples/next_token.py, and changes to
+the judge, scan, final head, scores and report). Every other stage's code only moved (its imports and the module
+names in its strings changed), so those stages, extract included, are re-recorded. Downstream of verify, train
+(artifacts/verify/verdict.json) and through it eval re-run only if verify's re-run changes the verdict's bytes
+(deterministic: a verify that passes again does not retrain); `dvc status` and `repro --dry` show only directly
+changed stages, so here that is verify alone.
 """
 
 from __future__ import annotations
