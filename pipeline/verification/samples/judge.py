@@ -397,7 +397,14 @@ def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, wi
     if worst == L:  # the token test: the first layer
         named = 0
     elif L + 2 <= worst < 2 * L + 2:  # a raw share
-        named = worst - L - 2
+        # of the layers whose raw share is over the threshold there, the one with the largest share: a faulty layer's
+        # own prediction comes from clean inputs, so its residual carries the whole fault, while another layer's
+        # carries it only through its map's weight on the faulty one (another request's layer 4 on the tiny
+        # DeepSeek-V3 flagged layer 5's test furthest in z, with a smaller share)
+        raw = slice(L + 2, 2 * L + 2)
+        over = bad[peak, raw]
+        named = int(torch.where(over, w[peak, raw], torch.full_like(w[peak, raw], -math.inf)).argmax()) if over.any() \
+            else worst - L - 2
     elif worst >= 2 * L + 3:
         # a whitened share: noise on one layer also lands in its neighbours' whitened residuals (it is an input of
         # their predictions, and there it can weigh more: noise on layer 4 of the tiny Llama flagged layer 5 first).
