@@ -2,33 +2,40 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 from pathlib import Path
 
 import click
 
+from pipeline import console
 from pipeline.errors import PipelineError
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import CPU_PINNED, SECTION, STAGES
 from pipeline.training import cpu_determinism
-from pipeline.workflow.launcher import launch
+from pipeline.workflow.launcher import IN_CONTAINER, launch
 
 
 def _run_stage(stage: str, params_file: Path) -> None:
     try:
         params = load_params(params_file)
-        if stage in CPU_PINNED:  # before the stage's module imports torch: ATen and MKL read them once
-            for name, value in cpu_determinism.pin_environment().items():
-                click.echo(f"[{stage}] {name}={value} overridden by {cpu_determinism.PINNED_ENV[name]} "
-                           "(pipeline/training/cpu_determinism.py)", err=True)
-        module = importlib.import_module(f"pipeline.stages.{stage}")
-        if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
-            module.run(params)
-            return
-        section = getattr(params, SECTION[stage])
-        # here, or in the container per runtime.mode (pipeline/workflow/launcher.py)
-        launch(stage, params, params_file, lambda: module.run(section))
+        # the stage runs in this process (not by exec'ing docker, whose container does this itself):
+        # the libraries' and the engine's output go to logs/<stage>.log from the first import on
+        here = params.runtime.mode != "docker" or os.environ.get(IN_CONTAINER) == "1" or SECTION[stage] is None
+        with console.stage_output(stage) if here else contextlib.nullcontext():
+            if stage in CPU_PINNED:  # before the stage's module imports torch: ATen and MKL read them once
+                for name, value in cpu_determinism.pin_environment().items():
+                    console.say(f"[{stage}] {name}={value} overridden by {cpu_determinism.PINNED_ENV[name]} "
+                                "(pipeline/training/cpu_determinism.py)")
+            module = importlib.import_module(f"pipeline.stages.{stage}")
+            if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
+                module.run(params)
+                return
+            section = getattr(params, SECTION[stage])
+            # here, or in the container per runtime.mode (pipeline/workflow/launcher.py)
+            launch(stage, params, params_file, lambda: module.run(section))
     except PipelineError as e:
         click.secho(f"[{stage}] error: {e}", fg="red", err=True)
         sys.exit(1)
@@ -61,6 +68,16 @@ def _stage_command(stage: str) -> click.Command:
 
 for _stage in STAGES:
     main.add_command(_stage_command(_stage))
+
+
+@main.command("summary")
+@click.option("--since", type=float, help="Only the stages whose metrics were written at or after this Unix time "
+              "(the Makefile passes the time `dvc repro` started).")
+def summary_cmd(since: float | None) -> None:
+    """What the stages that ran found: extraction, verification, the draft's tau, reports, how to share."""
+    from pipeline.workflow import summary
+
+    summary.main(since)
 
 
 @main.command("check-params")

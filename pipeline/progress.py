@@ -1,6 +1,6 @@
 """Progress that fits where it goes: a live bar on a terminal, a plain line every few percent or minute in a log.
 
-The pipeline's bars are `progress(...)` (tqdm's arguments).
+The pipeline's bars are `progress(...)` (tqdm's arguments), drawn on the console (pipeline/console.py).
 On a terminal it is tqdm as is. When the bar's stream is not a terminal (a `make repro` log, CI,
 `dvc repro` piped), a redrawn bar is thousands of carriage-return updates in one line; there it
 writes whole lines instead: one when another `LOG_PERCENT` % is done, at least one every
@@ -10,10 +10,11 @@ writes whole lines instead: one when another `LOG_PERCENT` % is done, at least o
 
 from __future__ import annotations
 
-import sys
 import time
 
 from tqdm import tqdm
+
+from pipeline import console
 
 LOG_PERCENT = 10
 LOG_SECONDS = 60.0
@@ -50,7 +51,9 @@ class LogLines(tqdm):
 
 def progress(iterable=None, **kwargs) -> tqdm:
     """A progress bar (tqdm's arguments): live on a terminal, a line per LOG_PERCENT % or LOG_SECONDS elsewhere."""
-    if is_terminal(kwargs.get("file") or sys.stderr):
+    kwargs.setdefault("file", console.stream())  # the console, also while a stage's output goes to its log
+    kwargs.setdefault("dynamic_ncols", True)  # as wide as the terminal is now
+    if is_terminal(kwargs["file"]):
         return tqdm(iterable, **kwargs)
     return LogLines(iterable, **kwargs)
 

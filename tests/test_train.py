@@ -157,9 +157,10 @@ def test_sigkill_then_rerun_resumes(extracted: Path, project_root: Path, tmp_pat
 
     out = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    log = out.stdout + out.stderr
-    assert f"resuming after epoch {done[-1]}" in log and f"Resuming training on epoch {done[-1] + 1}." in log
-    assert "Starting fresh training run" not in log
+    # the stage's own line on the console, speculators' own log in the stage's log file (pipeline/console.py)
+    trainer_log = (root / "logs" / "train.log").read_text()
+    assert f"resuming after epoch {done[-1]}" in out.stdout and f"Resuming training on epoch {done[-1] + 1}." in trainer_log
+    assert "Starting fresh training run" not in trainer_log and "Resuming training" not in out.stdout + out.stderr
     assert {e: (root / layout.DRAFT_DIR / str(e) / "model.safetensors").stat().st_mtime_ns for e in done} == mtimes
     assert epoch_dirs(root) == list(range(epochs))
     assert json.loads((root / train.FINAL_POINTER).read_text())["epoch"] == epochs - 1

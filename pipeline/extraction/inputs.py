@@ -8,6 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
+from pipeline.console import say
 from pipeline.errors import PipelineError
 from pipeline.hidden_states import format as shards
 from pipeline.layout import PREPARED_DATASET
@@ -18,7 +19,7 @@ COLUMNS = ("sample_id", "input_ids", "loss_mask", "seq_len")
 
 
 def log(msg: str) -> None:
-    print(f"[extract] {msg}", flush=True)
+    say(f"[extract] {msg}")
 
 
 @dataclass(frozen=True)

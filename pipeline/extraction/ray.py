@@ -36,6 +36,7 @@ from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
+from pipeline.console import say
 from pipeline.errors import PipelineError
 from pipeline.extraction.ray_fit import ReplicaShape, alive_nodes, replica_shape
 from pipeline.extraction.ray_replica import ShardReplica, engine_env
@@ -59,7 +60,7 @@ def next_batch(pending, live_replicas: int) -> list[int]:
 
 
 def log(msg: str) -> None:
-    print(f"[extract:ray] {msg}", flush=True)
+    say(f"[extract:ray] {msg}")
 
 
 class Cluster:

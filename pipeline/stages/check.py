@@ -19,6 +19,7 @@ layer count, and more devices than this host has. The target's shape comes from
 from __future__ import annotations
 
 from pipeline.atomic import atomic_write_text
+from pipeline.console import say
 from pipeline.layout import CHECKED
 from pipeline.params import Params
 from pipeline.workflow.input_checks import CHECKED_TEXT, CheckFailed, problems
@@ -29,4 +30,4 @@ def run(params: Params) -> None:
     if found:
         raise CheckFailed("refused before any stage ran (no output was touched):\n  " + "\n  ".join(found))
     atomic_write_text(CHECKED, CHECKED_TEXT)
-    print(f"[check] params.yaml, {params.data.path} and the target's limits: ok")
+    say(f"[check] params.yaml, {params.data.path} and the target's limits: ok")

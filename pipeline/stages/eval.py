@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from pipeline.atomic import atomic_write_text
+from pipeline.console import say
 from pipeline.errors import PipelineError
 from pipeline.extraction import vllm_compat
 from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS, TRAIN_METRICS
@@ -341,7 +342,7 @@ def run(params: EvalParams) -> None:
     }
     atomic_write_text(EVAL_METRICS, json.dumps(metrics, indent=1) + "\n")
     write_report(metrics, rows, train_metrics, params.max_acceptance_gap)
-    print(f"[eval] tau {metrics['tau']:.3f}, acceptance {[round(a, 3) for a in metrics['acceptance_per_position']]}, "
+    say(f"[eval] tau {metrics['tau']:.3f}, acceptance {[round(a, 3) for a in metrics['acceptance_per_position']]}, "
           f"{metrics['spec_tokens_per_s']:.0f} vs {metrics['baseline_tokens_per_s']:.0f} tok/s, "
           f"identical {metrics['outputs_identical']}/{metrics['num_prompts']}"
           + "".join(f"; k = {n}: tau {m['tau']:.3f}" for n, m in by_k.items() if n != k)

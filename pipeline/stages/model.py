@@ -8,6 +8,7 @@ from pathlib import Path
 
 from pipeline import int4
 from pipeline.atomic import atomic_dir, atomic_write_text
+from pipeline.console import say
 from pipeline.embedded import corpus, tiny_deepseek_v3, tiny_llama
 from pipeline.embedded.tokenizer import corpus_texts, train_tokenizer
 from pipeline.layout import METRICS, MODEL_DIR, TARGET_JSON
@@ -77,5 +78,5 @@ def run(params: ModelParams) -> None:
     metrics = build_embedded(params) if params.is_embedded else resolve_local(params)
     metrics = {"embedded": params.is_embedded, **metrics, "wall_seconds": round(time.time() - t0, 1)}
     atomic_write_text(METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    print(f"[model] target at {MODEL_DIR if params.is_embedded else params.path}: "
+    say(f"[model] target at {MODEL_DIR if params.is_embedded else params.path}: "
           + ", ".join(f"{k}={v}" for k, v in metrics.items() if k != "loss_curve"))

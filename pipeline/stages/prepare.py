@@ -16,6 +16,7 @@ from datasets import Dataset, Features, List, Value
 
 from pipeline.atomic import atomic_dir, atomic_write_text
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
+from pipeline.console import say
 from pipeline.layout import (
     HELDOUT_PROMPTS,
     METRICS,
@@ -130,4 +131,4 @@ def run(params: DataParams) -> None:
     metrics = {**counts, "kept": len(samples), "heldout": len(heldout),
                "tokens": sum(columns["seq_len"]), "masked_tokens": sum(freq)}
     atomic_write_text(METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    print("[prepare] " + ", ".join(f"{k}={v}" for k, v in metrics.items()))
+    say("[prepare] " + ", ".join(f"{k}={v}" for k, v in metrics.items()))

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from pipeline.atomic import atomic_write_text, remove_stale_temps
 from pipeline.chat_data import Conversation, DataError, load_tokenizer, read_chat, tokenize_chats
+from pipeline.console import say
 from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR, REGENERATED_META
 from pipeline.params import DataParams, RegenerateParams
 from pipeline.progress import progress
@@ -52,7 +53,7 @@ def run(params: DataParams) -> None:
             p.unlink()
         atomic_write_text(REGENERATED_META, json.dumps({"enabled": False}, indent=1) + "\n")
         atomic_write_text(METRICS_JSON, json.dumps({"enabled": False}, indent=2) + "\n")
-        print("[regenerate] data.regenerate.enabled is false: prepare reads data.path as it is")
+        say("[regenerate] data.regenerate.enabled is false: prepare reads data.path as it is")
         return
 
     started = time.perf_counter()
@@ -97,7 +98,7 @@ def run(params: DataParams) -> None:
                "tokens_per_s": round(stats["generated_tokens"] / gen_s, 1) if gen_s else None,
                "wall_s": round(time.perf_counter() - started, 2)}
     atomic_write_text(METRICS_JSON, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
-    print("[regenerate] " + ", ".join(f"{k}={v}" for k, v in metrics.items()))
+    say("[regenerate] " + ", ".join(f"{k}={v}" for k, v in metrics.items()))
 
 
 def resume_chunks(run_key: str, num_chunks: int) -> set[int]:
@@ -110,7 +111,7 @@ def resume_chunks(run_key: str, num_chunks: int) -> set[int]:
         return set()
     done = {k for k in range(num_chunks) if chunk_path(k).is_file()}
     if done:
-        print(f"[regenerate] resuming: {len(done)} of {num_chunks} chunks already done")
+        say(f"[regenerate] resuming: {len(done)} of {num_chunks} chunks already done")
     return done
 
 

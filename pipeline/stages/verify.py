@@ -26,6 +26,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pipeline.atomic import atomic_write_text
+from pipeline.console import say
 from pipeline.errors import PipelineError
 from pipeline.hidden_states.format import read_meta
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, VERIFY_VERDICT
@@ -122,5 +123,13 @@ def run(params: VerifyParams) -> None:
         raise VerifyFailed("\n".join(lines))
     verdict = {"passed": True, "run_key": meta.get("run_key"), "layer_ids": layer_ids, "num_samples": len(prepared)}
     atomic_write_text(VERIFY_VERDICT, json.dumps(verdict, indent=1, sort_keys=True) + "\n")
-    print(f"verify: all checks passed on {len(prepared)} samples ({report.summary['verify_seconds']:.1f} s); report: {REPORT_DIR / 'report.md'}")
+    s = report.summary
+    judged = (s.get("sample_tests") or {}).get("judged_positions")
+    say(f"[verify] read {s.get('num_samples')} samples, {s.get('num_tokens')} tokens of layers {layer_ids} in "
+        f"{s.get('num_shards')} shards; every sample's states judged"
+        + (f" ({judged} positions in all layers by the per-sample tests)" if judged else "")
+        + f", {len(s.get('reference_samples', []))} re-run by a transformers reference, "
+        f"{len(s.get('audited_shards', []))} shards hashed and re-derived in full")
+    say("[verify] " + ", ".join(f"{check} pass" for check in CHECKS)
+        + f": all checks passed on {len(prepared)} samples ({s['verify_seconds']:.1f} s); report: {REPORT_DIR / 'report.md'}")
 
