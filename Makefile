@@ -26,12 +26,15 @@ $(STAMP): requirements/cpu.txt requirements/no-deps.txt pyproject.toml
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# After a `dvc repro` that succeeded: what the stages that ran found, where the reports and
+# plots are, how to share (pipeline/workflow/summary.py reads metrics/*.json). Each stage's
+# engine and library output is in logs/<stage>.log (pipeline/console.py).
 repro: setup
-	dvc repro
+	@start=$$(date +%s) && dvc repro && $(PY) -m pipeline summary --since $$start
 
 # `make extract` runs extract and whatever upstream of it is stale, as `dvc repro extract` does
 $(STAGES): setup
-	dvc repro $@
+	@start=$$(date +%s) && dvc repro $@ && $(PY) -m pipeline summary --since $$start
 
 # Capacity planning (pipeline/planning/plan.py): bytes the extraction will write, free space, wall time,
 # engine memory; PLAN_ARGS projects another model/dataset, e.g. the Kimi-K2.5-shaped example:

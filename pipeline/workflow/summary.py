@@ -1,0 +1,95 @@
+"""What a `make repro` (or `make <stage>`) proved, in a few lines, read from metrics/*.json.
+
+`python -m pipeline summary --since T` (the Makefile, after `dvc repro`): one line per stage whose
+metrics were written at or after T (Unix seconds: the stages that ran), then where the reports and
+plots are and how to share the results. Without --since: every stage that has metrics.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from pipeline.layout import METRICS, REPORTS
+
+
+def _read(name: str) -> dict | None:
+    try:
+        return json.loads((METRICS / f"{name}.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _model(m: dict) -> str:
+    if not m.get("embedded"):
+        return "model: a local target, checked"
+    loss = m.get("final_loss")
+    return (f"model: the embedded {m.get('architecture', '')} target trained"
+            + (f", final loss {loss:.4f}" if isinstance(loss, float) else ""))
+
+
+def _prepare(m: dict) -> str:
+    return f"prepare: {m.get('kept', '?')} conversations to train on ({m.get('tokens', '?')} tokens), {m.get('heldout', '?')} held out"
+
+
+def _extract(m: dict) -> str:
+    return (f"extract: hidden states of {m.get('samples', '?')} samples ({m.get('tokens', '?')} tokens), layers "
+            f"{m.get('layer_ids')}, {m.get('dtype', '?')}, {m.get('shards_written', 0) + m.get('shards_resumed', 0)} shards")
+
+
+def _verify(m: dict) -> str:
+    checks = m.get("checks") or {}
+    judged = (m.get("sample_tests") or {}).get("judged_positions")
+    return (f"verify: {'passed' if m.get('passed') else 'FAILED'}, every one of {m.get('num_samples', '?')} samples "
+            f"({m.get('num_tokens', '?')} tokens) judged"
+            + (f", {judged} positions by the per-sample tests" if judged else "")
+            + f", {len(m.get('reference_samples', []))} against a transformers reference"
+            + (": " + ", ".join(f"{c} {s}" for c, s in sorted(checks.items())) if checks else ""))
+
+
+def _train(m: dict) -> str:
+    acc = [round(v, 3) for k, v in sorted(m.get("val", {}).items()) if k.startswith("full_acc_")]
+    return (f"train: {m.get('epochs_trained', '?')} epochs of speculators' EAGLE-3 trainer, "
+            f"validation accuracy by draft position {acc}")
+
+
+def _eval(m: dict) -> str:
+    acc = [round(a, 3) for a in m.get("acceptance_per_position", [])]
+    speed = m.get("speedup")
+    return (f"eval: tau {m.get('tau', float('nan')):.3f} at k = {m.get('num_speculative_tokens')}, acceptance {acc}, "
+            + (f"speedup x{speed:.2f} " if isinstance(speed, (int, float)) else "")
+            + f"({m.get('spec_tokens_per_s', 0):.0f} vs {m.get('baseline_tokens_per_s', 0):.0f} tok/s), "
+            f"outputs identical {m.get('outputs_identical')}/{m.get('num_prompts')}")
+
+
+LINES: dict[str, Callable[[dict], str]] = {
+    "model": _model, "prepare": _prepare, "extract": _extract, "verify": _verify, "train": _train, "eval": _eval,
+}
+WHERE = (
+    ("verify report and plots", REPORTS / "verify" / "report.md"),
+    ("eval report", REPORTS / "eval.md"),
+    ("training curve", METRICS / "train_curve.csv"),
+    ("stage logs (engine output)", Path("logs")),
+)
+
+
+def summary(since: float | None = None) -> list[str]:
+    ran = [s for s in LINES if (METRICS / f"{s}.json").is_file()
+           and (since is None or (METRICS / f"{s}.json").stat().st_mtime >= since)]
+    if not ran:
+        return ["summary: nothing ran; every stage asked for is up to date (`dvc status` says what would run)"]
+    lines = [f"summary of {'this run' if since is not None else 'the last runs'}:"]
+    for stage in ran:
+        m = _read(stage)
+        if m is not None:
+            lines.append("  " + LINES[stage](m))
+    where = [f"{what} {path}" for what, path in WHERE if path.exists()]
+    if where:
+        lines.append("  where: " + "; ".join(where) + " (`dvc plots show` draws the plots)")
+    lines.append("  share: `make push` sends the outputs and the run-cache to the DVC remote; a teammate runs `make pull`")
+    return lines
+
+
+def main(since: float | None) -> None:
+    print("\n".join(summary(since)), flush=True)
