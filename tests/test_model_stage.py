@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pipeline.layout import MODEL_DIR, TARGET_JSON
@@ -96,16 +97,20 @@ def test_embedded_model_builds_and_loads(tmp_path, monkeypatch):
     assert target.embedded and str(target.path) == "artifacts/model" and target.num_layers == 4
     config = json.loads((MODEL_DIR / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is False
-    assert config["torch_dtype"] == config["dtype"] == "float32"
+    # trained in fp32, saved in the dtype vLLM serves it in on CPU: no tensor narrowed as the engine loads it
+    assert config["torch_dtype"] == config["dtype"] == "bfloat16"
+    with safe_open(str(MODEL_DIR / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     tok_config = json.loads((MODEL_DIR / "tokenizer_config.json").read_text())
     assert tok_config["chat_template"] == (MODEL_DIR / "chat_template.jinja").read_text()
     m = json.loads((tmp_path / "metrics" / "model.json").read_text())
     assert m["steps"] == 5 and m["parameters"] > 0 and m["final_loss"] > 0
     assert m["device"] == "cpu" and m["precision"] == "float32" and m["train_tokens_per_second"] > 0
+    assert m["saved_dtype"] == "bfloat16"
     assert 0 <= m["unseen_assistant_accuracy"] <= 1
 
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    lm = AutoModelForCausalLM.from_pretrained(MODEL_DIR)
+    lm = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)  # widened exactly, as extract reads it
     assert lm.dtype == torch.float32 and lm.config.vocab_size == len(tok) == 300
     prompt = tok.apply_chat_template([{"role": "user", "content": "Hi"}], add_generation_prompt=True,
                                      return_tensors="pt", return_dict=True)
@@ -123,7 +128,7 @@ def test_embedded_deepseek_v3_builds_with_the_keys_vllm_needs(tmp_path, monkeypa
     model.run(ModelParams(embedded=tiny))
 
     config = json.loads((MODEL_DIR / "config.json").read_text())
-    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["torch_dtype"] == "float32"
+    assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["torch_dtype"] == "bfloat16"
     assert config["topk_method"] == "noaux_tc" and config["scoring_func"] == "sigmoid"  # else vLLM fails to load it
     assert config["kv_lora_rank"] + config["qk_rope_head_dim"] == 576
     assert (config["n_routed_experts"], config["num_experts_per_tok"], config["n_shared_experts"]) == (4, 2, 1)

@@ -27,6 +27,7 @@ from pipeline.training import cpu_determinism
 
 # conversations (another seed of the corpus generator) the trained target's accuracy is measured on
 UNSEEN_CONVERSATIONS = 64
+SAVED_DTYPE = torch.bfloat16  # the checkpoint's dtype (trained in fp32): see `build`
 
 
 def build_model(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase) -> LlamaForCausalLM:
@@ -150,10 +151,17 @@ def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: l
     losses = train(model, ids, mask, starts, p, device=device)  # loss.item() every step: synchronised
     loop_s = time.time() - t_loop
     train_s = time.time() - t0
+    # Trained in fp32, shipped in the dtype it is served in, as the targets it stands for are: vLLM
+    # serves a float32 checkpoint in bfloat16 on CPU ("auto") and would narrow every tensor as it
+    # loads it; fp32 readers (extract.dtype float32, verify's reference) widen bf16 exactly.
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(torch.bfloat16))
     # the skill the draft will copy, on conversations of the same generator it never trained on
+    # (the weights as saved, computed in fp32)
     unseen = corpus.generate(UNSEEN_CONVERSATIONS, seed=corpus.SEED + 1)
     unseen_accuracy = assistant_accuracy(model, tok, unseen, device)
-    model.to("cpu")
+    model.to("cpu", dtype=SAVED_DTYPE)
     model.generation_config = GenerationConfig(
         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
     )
@@ -161,7 +169,7 @@ def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: l
     save_tokenizer(tok, out)
     # transformers 5 writes `dtype`; older readers (and most hub configs) use `torch_dtype`
     config = json.loads((out / "config.json").read_text())
-    config = {**config, "torch_dtype": "float32", **(extra_config or {})}
+    config = {**config, "dtype": "bfloat16", "torch_dtype": "bfloat16", **(extra_config or {})}
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tail = losses[-10:]
     return {
@@ -177,6 +185,7 @@ def build(p: EmbeddedModelParams, tok: PreTrainedTokenizerBase, conversations: l
         "train_tokens_per_second": round(len(losses) * p.train_batch_size * p.train_seq_len / loop_s) if loop_s else None,
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "precision": "bf16 autocast, fp32 weights and AdamW" if device.type == "cuda" else "float32",
+        "saved_dtype": "bfloat16",
         "threads": torch.get_num_threads(),
         # the CPU arithmetic it trained with: the same on every x86-64 machine when "pinned"; on a GPU
         # the arithmetic is the GPU's, not reproducible bit for bit, so there is none to report
