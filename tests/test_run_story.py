@@ -80,8 +80,8 @@ def test_make_repro_tells_the_story_and_ends_with_the_summary(project):
     assert "[verify] structure pass, values pass, samples pass, reference pass, final_state pass, storage pass" in terminal
     assert re.search(r"train: epoch 0 done in [\d.]+ s: val loss [\d.]+, full_acc \[", terminal)
     assert "[eval] tau " in terminal
-    # the summary: after everything else, what ran and what it found
-    summary = terminal[terminal.rindex("summary of this run:"):]
+    # the summary: the end of the output, what ran and what it found
+    summary = proc.stdout[proc.stdout.rindex("summary of this run:"):]
     lines = summary.splitlines()
     assert [line.split(":")[0].strip() for line in lines[1:7]] == ["model", "prepare", "extract", "verify", "train", "eval"], summary
     assert "extract: hidden states of 24 samples" in summary and "layers [2, 4, 5, 8]" in summary

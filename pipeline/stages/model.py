@@ -78,5 +78,12 @@ def run(params: ModelParams) -> None:
     metrics = build_embedded(params) if params.is_embedded else resolve_local(params)
     metrics = {"embedded": params.is_embedded, **metrics, "wall_seconds": round(time.time() - t0, 1)}
     atomic_write_text(METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    say(f"[model] target at {MODEL_DIR if params.is_embedded else params.path}: "
-          + ", ".join(f"{k}={v}" for k, v in metrics.items() if k != "loss_curve"))
+    if params.is_embedded:
+        say(f"[model] the embedded {metrics['architecture']} target: {metrics['parameters'] / 1e6:.2f} M parameters trained "
+            f"{metrics['steps']} steps of {metrics['tokens_per_step']} tokens on {metrics['device']} in "
+            f"{metrics['train_seconds']:.0f} s, final loss {metrics['final_loss']:.4f}, next-token accuracy "
+            f"{metrics['unseen_assistant_accuracy']:.3f} on unseen assistant turns; saved "
+            + ("as INT4 (w4a16)" if params.embedded.quantization == "w4a16" else f"in {metrics['saved_dtype']}")
+            + f" at {MODEL_DIR} (all figures: {METRICS_JSON})")
+    else:
+        say(f"[model] target at {params.path}: {metrics['weights_bytes'] / 2**30:.2f} GiB of weights, checked")
