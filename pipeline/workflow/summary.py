@@ -14,6 +14,11 @@ from pathlib import Path
 from pipeline.layout import METRICS, REPORTS
 
 
+def _n(value) -> str:
+    """A count with thousands separators (as it is, if it is not one)."""
+    return f"{value:,}" if isinstance(value, int) else str(value)
+
+
 def _read(name: str) -> dict | None:
     try:
         return json.loads((METRICS / f"{name}.json").read_text())
@@ -30,11 +35,11 @@ def _model(m: dict) -> str:
 
 
 def _prepare(m: dict) -> str:
-    return f"prepare: {m.get('kept', '?')} conversations to train on ({m.get('tokens', '?')} tokens), {m.get('heldout', '?')} held out"
+    return f"prepare: {m.get('kept', '?')} conversations to train on ({_n(m.get('tokens', '?'))} tokens), {m.get('heldout', '?')} held out"
 
 
 def _extract(m: dict) -> str:
-    return (f"extract: hidden states of {m.get('samples', '?')} samples ({m.get('tokens', '?')} tokens), layers "
+    return (f"extract: hidden states of {m.get('samples', '?')} samples ({_n(m.get('tokens', '?'))} tokens), layers "
             f"{m.get('layer_ids')}, {m.get('dtype', '?')}, {m.get('shards_written', 0) + m.get('shards_resumed', 0)} shards")
 
 
@@ -42,9 +47,9 @@ def _verify(m: dict) -> str:
     checks = m.get("checks") or {}
     judged = (m.get("sample_tests") or {}).get("judged_positions")
     return (f"verify: {'passed' if m.get('passed') else 'FAILED'}, every one of {m.get('num_samples', '?')} samples "
-            f"({m.get('num_tokens', '?')} tokens) judged"
-            + (f", {judged} positions by the per-sample tests" if judged else "")
-            + f", {len(m.get('reference_samples', []))} against a transformers reference"
+            f"({_n(m.get('num_tokens', '?'))} tokens) judged"
+            + (f", {_n(judged)} positions by the per-sample tests" if judged else "")
+            + f", {len(m.get('reference_samples', []))} re-computed by a transformers reference"
             + (": " + ", ".join(f"{c} {s}" for c, s in sorted(checks.items())) if checks else ""))
 
 
