@@ -7,6 +7,7 @@ then `make eval` with nothing to do; and a stage that fails names its log file.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -102,12 +103,19 @@ def test_make_stage_with_nothing_to_do_says_so(project):
 
 @pytest.mark.slow
 def test_a_failing_stage_names_its_log_and_shows_its_last_lines(project):
-    """The engine cannot start (its OpenMP threads bound to a CPU this machine does not have): the
-    console names the stage's log and shows its last lines; the traceback stays in the file."""
-    env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "4095"}
+    """The engine cannot load the draft (its weights file is not safetensors): the console names the
+    stage's log and shows its last lines; the traceback stays in the file."""
+    draft = project / json.loads((project / "artifacts" / "draft" / "final.json").read_text())["path"] / "model.safetensors"
+    saved = draft.read_bytes()
+    draft.chmod(0o644)
+    draft.write_bytes(b"not safetensors")
+    env = {**os.environ}
     env.pop("PYTHONPATH", None)
-    proc = subprocess.run(["bin/python", "-m", "pipeline", "run", "eval"], cwd=project, env=env, capture_output=True,
-                          text=True, timeout=900)
+    try:
+        proc = subprocess.run(["bin/python", "-m", "pipeline", "run", "eval"], cwd=project, env=env, capture_output=True,
+                              text=True, timeout=900)
+    finally:
+        draft.write_bytes(saved)
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 1, terminal[-3000:]
     assert "[eval] the engine's and libraries' output: logs/eval.log; its last lines:\n  | " in proc.stderr, terminal[-3000:]
