@@ -168,6 +168,7 @@ GPU_PROFILE = {
     "data.regenerate.enabled": True, "data.regenerate.dtype": "bfloat16", "extract.dtype": "bfloat16",
     "train.hidden_states_dtype": "bfloat16", "eval.compare_speculative_tokens": [5], "eval.decode_batch_sizes": [1, 32],
     "eval.dtype": "bfloat16", "eval.enforce_eager": False,
+    "train.epochs": 20, "train.lr": 0.0003, "train.max_len": 2048,
 }
 
 
