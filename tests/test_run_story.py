@@ -77,7 +77,7 @@ def test_make_repro_tells_the_story_and_ends_with_the_summary(project):
     assert ENGINE_LINE.search((project / "logs" / "eval.log").read_text())
     assert "Training epoch" in (project / "logs" / "train.log").read_text()
     # the story: verify's checks, train's epochs and accuracy, eval's tau
-    assert re.search(r"\[verify\] read 24 samples, \d+ tokens of layers \[2, 4, 5, 8\]", terminal), terminal[-5000:]
+    assert re.search(r"\[verify\] read 24 samples, [\d,]+ tokens of layers \[2, 4, 5, 8\]", terminal), terminal[-5000:]
     assert "[verify] structure pass, values pass, samples pass, reference pass, final_state pass, storage pass" in terminal
     assert re.search(r"train: epoch 0 done in [\d.]+ s: val loss [\d.]+, full_acc \[", terminal)
     assert "[eval] tau " in terminal

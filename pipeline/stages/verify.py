@@ -125,9 +125,9 @@ def run(params: VerifyParams) -> None:
     atomic_write_text(VERIFY_VERDICT, json.dumps(verdict, indent=1, sort_keys=True) + "\n")
     s = report.summary
     judged = (s.get("sample_tests") or {}).get("judged_positions")
-    say(f"[verify] read {s.get('num_samples')} samples, {s.get('num_tokens')} tokens of layers {layer_ids} in "
+    say(f"[verify] read {s.get('num_samples')} samples, {s.get('num_tokens', 0):,} tokens of layers {layer_ids} in "
         f"{s.get('num_shards')} shards; every sample's states judged"
-        + (f" ({judged} positions in all layers by the per-sample tests)" if judged else "")
+        + (f" ({judged:,} positions in all layers by the per-sample tests)" if judged else "")
         + f", {len(s.get('reference_samples', []))} re-run by a transformers reference, "
         f"{len(s.get('audited_shards', []))} shards hashed and re-derived in full")
     say("[verify] " + ", ".join(f"{check} pass" for check in CHECKS)
