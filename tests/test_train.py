@@ -129,7 +129,10 @@ def test_each_cpu_override_is_needed(trained: Path, tmp_path: Path, override: st
     env = {**os.environ, **cpu_determinism.PINNED_ENV}
     out = subprocess.run([sys.executable, "-c", WITHOUT_ONE, override], cwd=root, env=env, capture_output=True, text=True)
     assert out.returncode != 0
-    assert where in out.stderr and "RuntimeError" in out.stderr and "accelerator" in out.stderr, out.stderr[-3000:]
+    # the console names the error and the stage's log (pipeline/console.py), which holds the traceback
+    assert "[train] failed: RuntimeError" in out.stderr and "accelerator" in out.stderr, out.stderr[-3000:]
+    trace = (root / "logs" / "train.log").read_text()
+    assert where in trace and "RuntimeError" in trace and "accelerator" in trace, trace[-3000:]
 
     # with all three the same run resumes: test_sigkill_then_rerun_resumes
     assert (root / layout.DRAFT_DIR / "0" / "model.safetensors").stat().st_mtime_ns == epoch0
