@@ -131,4 +131,8 @@ def run(params: DataParams) -> None:
     metrics = {**counts, "kept": len(samples), "heldout": len(heldout),
                "tokens": sum(columns["seq_len"]), "masked_tokens": sum(freq)}
     atomic_write_text(METRICS_JSON, json.dumps(metrics, indent=2) + "\n")
-    say("[prepare] " + ", ".join(f"{k}={v}" for k, v in metrics.items()))
+    dropped = {k: v for k, v in counts.items() if k != "conversations_read" and v}
+    say(f"[prepare] {counts.get('conversations_read')} conversations read: {len(samples)} to train on "
+        f"({metrics['tokens']:,} tokens, {metrics['masked_tokens']:,} of them assistant turns), {len(heldout)} held out "
+        "for eval" + ("; " + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in dropped.items()) if dropped else "")
+        + f" ({METRICS_JSON})")
