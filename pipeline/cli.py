@@ -28,7 +28,7 @@ def _run_stage(stage: str, params_file: Path) -> None:
             if stage in CPU_PINNED:  # before the stage's module imports torch: ATen and MKL read them once
                 for name, value in cpu_determinism.pin_environment().items():
                     console.say(f"[{stage}] {name}={value} overridden by {cpu_determinism.PINNED_ENV[name]} "
-                                "(pipeline/training/cpu_determinism.py)")
+                                "(pipeline/training/cpu_determinism.py)", err=True)
             module = importlib.import_module(f"pipeline.stages.{stage}")
             if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
                 module.run(params)

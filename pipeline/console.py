@@ -36,9 +36,10 @@ def stream() -> TextIO:
     return _console if _console is not None else sys.stderr
 
 
-def say(msg: str) -> None:
-    """One line of the pipeline's own story: on the stdout the stage was started with, and in its log file."""
-    print(msg, file=_console_out if _console_out is not None else sys.stdout, flush=True)
+def say(msg: str, err: bool = False) -> None:
+    """One line of the pipeline's own story: on the stdout (err: the stderr) the stage was started with, and in its log file."""
+    out = stream() if err else (_console_out if _console_out is not None else sys.stdout)
+    print(msg, file=out, flush=True)
     if _log_file is not None:
         print(msg, file=_log_file, flush=True)
         _said.update(msg.splitlines())
