@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import re
 import sys
 import traceback
 from collections.abc import Iterator
@@ -24,6 +25,9 @@ from pathlib import Path
 from typing import TextIO
 
 LOG_DIR = Path("logs")
+# a Python traceback's header, frames, source lines and carets (also behind vLLM's "(EngineCore pid=N) "):
+# in the file, not in a failure's tail
+_TRACEBACK_FRAME = re.compile(r"^(?:\(\w+ pid=\d+\) )?(?:Traceback \(most recent call last\)|\s+File \"|\s{4}|\s*[~^]+\s*$)")
 TAIL_LINES = 15
 _console: TextIO | None = None  # the stage's stderr (bars, errors), set while its output is redirected
 _console_out: TextIO | None = None  # the stage's stdout (its story), likewise
@@ -56,13 +60,14 @@ def log_path(stage: str) -> Path:
 
 
 def tail(path: Path, n: int = TAIL_LINES, skip: set[str] = frozenset()) -> list[str]:
-    """The last n non-blank lines of `path` not in `skip` (of a progress bar's carriage returns, its last state)."""
+    """The last n non-blank lines of `path` not in `skip` and not a traceback's frames (of a progress bar's
+    carriage returns, its last state): the log lines and the exception's own message."""
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return []
     lines = [line.rsplit("\r", 1)[-1].rstrip() for line in text.splitlines()]
-    return [line for line in lines if line.strip() and line not in skip][-n:]
+    return [line for line in lines if line.strip() and line not in skip and not _TRACEBACK_FRAME.match(line)][-n:]
 
 
 def failure_note(stage: str, path: Path) -> str:

@@ -135,7 +135,7 @@ def run_engine(spec: dict, label: str) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
             wait_group_exited(proc.pid, label)
         if rc != 0 or not out_path.is_file():
-            raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its log is above")
+            raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its output is in the stage's log")
         return json.loads(out_path.read_text())
 
 
