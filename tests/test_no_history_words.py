@@ -97,7 +97,8 @@ def test_the_rules_tell_history_from_other_projects_references() -> None:
                f"the run is {OWED}", "fixed in #12", f"DVC's own cost ({ISSUE} 20)", "(fix: PR #177874)"]
     other = ["vLLM " + ISSUE + " #12345", "DVC PR #8738", "pytorch/pytorch#177600 and PyTorch PR #177874",
              "https://github.com/vllm-project/vllm/" + "issues/1", f'@pytest.fixture(scope="{SESSION}")',
-             f"torchrun starts them in {SESSION}s of their own", f"workers, which run in {SESSION}s of", f"in a new {SESSION} (its own group)",
+             f"torchrun starts them in {SESSION}s of their own", f"workers, which run in {SESSION}s of",
+             f"in a new {SESSION} (its own group)",
              f"subprocess.Popen(cmd, start_new_{SESSION}=True)", "a tool call, 2 calls, #define, issue a warning"]
     assert [s for s in history if not history_words(s)] == []
     assert [s for s in other if history_words(s)] == []
