@@ -230,7 +230,7 @@ class VerifyParams(_Section):
     min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match the reference's.")
     argmax_disagreement_ratio: float = Field(2.0, gt=0, description="bf16/fp16: argmax disagreement with the fp32 reference may be this many times an independent same-dtype reference's.")
     min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
-    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 8 with a GPU and 4 without (docs/BENCHMARKS.md, \"Verify's scan, session 22\").")
+    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 8 with a GPU and 4 without (8 scanned the 8B shape ~12% faster than 4 on an H100, 2026-12-05: docs/BENCHMARKS.md).")
     audit_fraction: float = Field(
         0.02, ge=0, le=1,
         description="Share of shards (seeded) read in full: sha256 and per-layer statistics re-derived from the bytes and "
@@ -286,7 +286,7 @@ class TrainParams(_Section):
         "eager", description="speculators' loss kernels: eager (PyTorch ops, CPU and GPU) or fused (its Triton "
         "kernels, GPU only). fused failed on the H200 under torch 2.11, vLLM 0.26's torch: dynamo 'ListVariable is "
         "already tracked for mutation' in the fused KL kernel's backward, a Triton autotuner's configs tracked twice "
-        "in one trace (pytorch/pytorch#177600, PR #177874; docs/BENCHMARKS.md, the whole pipeline).",
+        "in one trace (PyTorch issue pytorch/pytorch#177600 and PyTorch PR #177874; docs/BENCHMARKS.md, the whole pipeline).",
     )
     nproc_per_node: int = Field(
         1, ge=1, description="Training processes per node, one per GPU; more than 1 (or nnodes > 1) runs speculators' "

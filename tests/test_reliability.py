@@ -1,4 +1,4 @@
-"""Reliability cases of issue 7 not covered elsewhere (docs/RELIABILITY.md lists them all):
+"""Reliability cases not covered elsewhere (docs/RELIABILITY.md lists them all):
 
 - two extract runs on one output: the second is refused by the lock, the first completes;
 - the output disk fills up mid-run: a clear error, no truncated shard at a final name, a rerun completes;

@@ -218,7 +218,7 @@ def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, ma
             "eagle_aux_hidden_state_layer_ids). Or the training conversations are not text the target writes: "
             "training scores the draft teacher-forced on them, serving on the target's own greedy output; a target "
             "that fits its data poorly (the verify report's next-token accuracy well below 1) shows gaps of this size "
-            "(docs/BENCHMARKS.md, issue 23), and on-policy data (data.regenerate.enabled) closes them. "
+            "(docs/BENCHMARKS.md, the DeepSeek-V3-shaped target), and on-policy data (data.regenerate.enabled) closes them. "
             "`python bench/acceptance_probe.py --out probe.json` tells the two apart: the trained draft teacher-forced "
             "on the target's own greedy text, walked like vLLM's draft/verify loop, matches vLLM's acceptance when the "
             "serving path feeds the draft as training did.",

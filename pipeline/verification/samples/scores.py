@@ -436,7 +436,7 @@ def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """How squared residual norms become shares of the states' energy, in one multiply-add (squared x scale + floor):
     1 / energy, the scale (1 / energy; 0 for an all-zero state) and the floor (0; ZERO_ROW_SHARE for an all-zero
     state). Made once a batch: each call into torch costs a scoring thread ~0.25 ms waiting its turn on the host the
-    scan's threads share, mostly outside the GIL (docs/BENCHMARKS.md "Verify's scan", sessions 24-25)."""
+    scan's threads share, mostly outside the GIL (H100, 2026-12-06: docs/BENCHMARKS.md, verify's scan)."""
     inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
     return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
 
