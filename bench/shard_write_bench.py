@@ -11,7 +11,9 @@ defaults: Kimi-K2.5's width, 4 layers, 48 x 512 tokens) written by the extract s
 stage runs on this host (`pipeline.extraction.engine.shard_workers`), each shard durable (fsync'd
 and renamed) before it counts. `--compare-save-file` adds the same through safetensors' save_file
 followed by a SHA-256 read back from the file, the writer the stage had before it wrote from the
-tensors' own memory. Prints one JSON line per measurement, then a summary line with each rate as
+tensors' own memory, and `write_shard` with the write-back left to the kernel (no POSIX_FADV_DONTNEED
+per block). Imports only torch, numpy and safetensors beside the project's shard writer, so it runs
+on a host without vLLM. Prints one JSON line per measurement, then a summary line with each rate as
 a fraction of the disk's best.
 """
 
@@ -24,6 +26,7 @@ import mmap
 import os
 import shutil
 import time
+import unittest.mock
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -31,7 +34,6 @@ import numpy as np
 import torch
 
 from pipeline.atomic import atomic_path
-from pipeline.extraction.engine import shard_workers
 from pipeline.hidden_states import format as shards
 from pipeline.hidden_states import stats as shard_stats
 
@@ -92,6 +94,11 @@ def save_file_then_hash(directory: Path, index: int, samples: list[shards.Sample
             h.update(block)
 
 
+def write_back_left_to_kernel(directory: Path, index: int, samples: list[shards.Sample]) -> None:
+    with unittest.mock.patch.object(os, "posix_fadvise", lambda *args: None):
+        shards.write_shard(directory, index, samples, {})
+
+
 def shard_rates(folder: Path, samples: list[shards.Sample], count: int, threads: int, writer) -> dict:
     folder.mkdir(parents=True, exist_ok=True)
     per_shard = sum(s.hidden_states.numel() * 2 + s.input_ids.numel() * 9 for s in samples)
@@ -119,10 +126,12 @@ def main() -> None:
     ap.add_argument("--shards", type=int, default=0, help="shards per measurement with the stage's threads (default: one per thread; 4 from one thread)")
     ap.add_argument("--disk-gb", type=float, default=16.0, help="bytes each disk measurement writes")
     ap.add_argument("--parallel", default="4,8", help="writer counts of the parallel disk measurements")
+    ap.add_argument("--threads", type=int, default=min(32, os.cpu_count() or 1),
+                    help="shard threads (default: the extract stage's, one per core up to 32)")
     ap.add_argument("--compare-save-file", action="store_true")
     a = ap.parse_args()
 
-    threads = shard_workers()
+    threads = a.threads
     count = a.shards or threads
     disk = disk_rates(a.dir / "disk", int(a.disk_gb * 1e9), [int(n) for n in a.parallel.split(",") if n])
     best = max(r["gb_per_s"] for r in disk)
@@ -138,6 +147,7 @@ def main() -> None:
     writers = {"write_shard": lambda d, k, s: shards.write_shard(d, k, s, {})}
     if a.compare_save_file:
         writers["save_file + read-back hash"] = save_file_then_hash
+        writers["write_shard, write-back left to the kernel"] = write_back_left_to_kernel
     rows = []
     for name, writer in writers.items():
         for n in sorted({1, threads}):
