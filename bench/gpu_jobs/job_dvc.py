@@ -31,7 +31,7 @@ from gpu_jobs.common import ENGINE, REPO, SMOKE_ENGINE, WORKLOADS, layer_ids_of,
 CACHE_TYPES = {"copy": None, "link": "hardlink,symlink"}  # None: the project's default (reflink,copy)
 BYTES_PER_TOKEN = 4 * 4096 * 2 + 9  # the dense 8B shape, 4 layers in bf16, + ids and loss mask
 PROMPT_TOKENS = 512
-MIN_BYTES = 10e9  # issue 20: DVC's cost measured at GPU scale, not on a toy output
+MIN_BYTES = 10e9  # DVC's cost measured at GPU scale, not on a toy output
 DISK_SHARE = 0.9  # of the free space: vLLM's per-request scratch files and the clone's small files need room too
 
 
