@@ -17,7 +17,8 @@ from pipeline.verification.reference.cost import BUDGET_PARAM, GIB, from_config,
 
 READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed): the whole-model load
 # the streamed reference, unit by unit: read on the host, copied up, INT4 dequantized, one unit ahead (measured: the
-# seed's shape on the H200 host, 35.1 GB in 31.9 s and 33.1 s, two calls; docs/BENCHMARKS.md)
+# seed's shape on the H200 host, 35.1 GB in 31.9 s and 33.1 s, two runs at 36 experts a chunk; docs/SCALING.md,
+# "Verify's cost")
 STREAMED_BYTES_PER_S = 1.07e9
 FLOPS = {"gpu": {"float32": 50e12, "bfloat16": 400e12}, "cpu": {"float32": 2e11, "bfloat16": 1e11}}  # assumed sustained
 
