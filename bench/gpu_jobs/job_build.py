@@ -34,7 +34,7 @@ def job_build(state: dict, name: str) -> dict:
 
         config, cls = DeepseekV3Config(**shape, **common), DeepseekV3ForCausalLM
     t = time.monotonic()
-    # Built directly in bf16 (README pitfall 2: .to(bf16) would round RoPE's buffers too).
+    # Built directly in bf16: .to(bf16) would round RoPE's float32 buffers too.
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
         model = cls(config).eval()
