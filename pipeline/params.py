@@ -27,7 +27,7 @@ class _Section(BaseModel):
 
 
 # vLLM's CPU MLA attention supports only these head sizes (kv_lora_rank + qk_rope_head_dim); real
-# DeepSeek-V3 / Kimi-K2 use 512 + 64 = 576 (FIELD-NOTES).
+# DeepSeek-V3 / Kimi-K2 use 512 + 64 = 576.
 MLA_HEAD_SIZES = (320, 512, 576)
 
 
