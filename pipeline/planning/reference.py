@@ -1,7 +1,7 @@
 """`make plan`'s projection of verify's reference forward at the planned scale: which reference runs
 (whole model or streamed, and why), the bytes it reads, the memory it holds, and a time estimate.
 
-Sizes come from the config alone (reference_cost.from_config), so a model that is not here (the
+Sizes come from the config alone (pipeline/verification/reference/cost.py, from_config), so a model that is not here (the
 Kimi-K2.5-shaped example) projects too. The time is an estimate at assumed rates, stated with it:
 reading the checkpoint once (the whole model at READ_BYTES_PER_S, assumed; streamed at STREAMED_BYTES_PER_S,
 measured on the H200 host) overlaps the forward (the next unit is prefetched), so the longer of the two is taken.

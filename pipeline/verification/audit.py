@@ -2,7 +2,7 @@
 
 The audit reads every byte of its shards (~0.4 s for a 268 MB shard on an H200 host) where the scan reads a quarter
 of the rows; done inside a scan thread it held that thread while the others alone kept the GPU busy. So
-`verify_scan.scan_shards` starts the audits in threads of their own (hashlib and numpy let go of the GIL) and scans
+`scan.scan_shards` starts the audits in threads of their own (hashlib and numpy let go of the GIL) and scans
 the audited shards last, when their audits are done; the scan judges what the audit found exactly as before
 (H200, 2026-12-05: `git show 61b87c6:docs/BENCHMARKS.md`).
 """

@@ -94,7 +94,7 @@ class ScanContext:
     hash_all: bool = False  # re-hash every shard, not only the audited ones
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
-    coherence: Any = None  # verify_samples.Coherence: every sample's per-token scores
+    coherence: Any = None  # samples.scores.Coherence: every sample's per-token scores
     staging: HostStaging | None = None  # the scan threads' host buffers (made by scan_shards)
     _final_head: FinalHead | None = field(default=None, init=False, repr=False)
     _final_head_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -124,7 +124,7 @@ class ShardScan:
     hashed: bool = False  # sha256 re-computed and equal to the manifest's
     masked_positions: int = 0  # masked positions in the shard (`counted` of them went through lm_head)
     seconds: dict = field(default_factory=dict)  # where this shard's time went (docs/BENCHMARKS.md)
-    sample_scores: list = field(default_factory=list)  # verify_samples.SampleScores of each sample judged
+    sample_scores: list = field(default_factory=list)  # samples.scores.SampleScores of each sample judged
 
     def timed(self, key: str, since: float) -> float:
         now = time.perf_counter()

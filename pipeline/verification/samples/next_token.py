@@ -46,7 +46,7 @@ def contrast_tokens(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def contrast_scores(log_probs: torch.Tensor, answered: np.ndarray, judged: np.ndarray, loss_mask: np.ndarray) -> torch.Tensor:
     """[P] per judged position the contrast in nats, from the log-probabilities [A, 3] of `contrast_tokens` at the
-    `answered` ones (the judge ranks them over the run: verify_sample_judge.token_identity); NaN where the next token
+    `answered` ones (the judge ranks them over the run: judge.token_identity); NaN where the next token
     is not the target's answer (a user's words are not what a target predicts, and a trained target's confident
     guesses at a user's new question after its answer made the contrast's clean tail: docs/ARCHITECTURE.md
     "Per-sample tests: what is caught, what cannot be") and at positions not answered."""
