@@ -15,8 +15,9 @@ model) and per test it scores the residual energy as a share of the state's:
 The clean residual of a layer lives mostly in a few directions; noise or wrong values added to a state
 spread over all of them, so the whitened share sees them where the raw share cannot (tiny Llama, 540
 samples: noise of relative RMS 0.2-0.3 on 16 positions of one layer, where the raw share caught 0.3 on
-two layers and nothing up to 2 on the others: docs/ARCHITECTURE.md "Per-sample tests: what is caught, what
-cannot be").
+two layers and nothing up to 2 on the others; the 2-core CPU, recorded 2026-12-02 in commit 31adcff: "Sensitivity,
+measured" in `git show c1aae8c:docs/ARCHITECTURE.md`; today's limits: docs/ARCHITECTURE.md "Per-sample tests:
+what is caught, what cannot be").
 
 Every run of `verify.sample_window` consecutive positions of every sample is a window; its score is
 the mean log residual share of its judged positions, the largest left out (robust to one odd token). Windows are judged against all windows of the run (median, and the MAD
