@@ -151,8 +151,9 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
 @main.command("upgrade-layout")
 @click.option("--dry-run", is_flag=True, help="Say which stages would be re-recorded; commit nothing.")
 def upgrade_layout_cmd(dry_run: bool) -> None:
-    """After the move to packages: re-record the stages whose only change is their code's new paths (dvc commit -f),
-    so a finished project re-runs nothing the move did not change (pipeline/workflow/upgrade_layout.py)."""
+    """After the move to packages or to run-cacheable outputs: re-record the stages whose only changes are their code's
+    new paths and reports now in DVC's cache, and the stages up to date into the run-cache (dvc commit -f), so a
+    finished project re-runs nothing the upgrade did not change (pipeline/workflow/upgrade_layout.py)."""
     from pipeline.workflow.upgrade_layout import upgrade
 
     try:
