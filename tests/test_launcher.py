@@ -274,6 +274,16 @@ def test_tidy_drops_only_links_a_restored_output_made_redundant(tmp_path, monkey
     assert not output_guard.PARTIAL_DIR.exists()
 
 
+def test_only_node_0_of_a_multi_node_training_keeps_its_checkpoints():
+    one = Params()
+    assert launcher.resumable("train", one, {}) == (layout.DRAFT_DIR,)
+    two = Params.model_validate({"train": {"nnodes": 2}})
+    assert launcher.resumable("train", two, {"NODE_RANK": "0"}) == (layout.DRAFT_DIR,)
+    assert launcher.resumable("train", two, {"NODE_RANK": "1"}) == ()
+    assert launcher.resumable("train", Params.model_validate({"train": {"nnodes": 2, "node_rank": 1}}), {}) == ()
+    assert launcher.resumable("extract", two, {"NODE_RANK": "1"}) == (layout.HIDDEN_STATES_DIR,)
+
+
 def test_tidy_removes_a_killed_runs_scratch_and_lock_but_not_a_running_stages(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     scratch, lock = output_guard.scratch_path(OUT), output_guard.lock_path(OUT)

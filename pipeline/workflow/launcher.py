@@ -58,6 +58,16 @@ RESUMABLE: dict[str, tuple[Path, ...]] = {
 }
 
 
+def resumable(stage: str, params: Params, environ: Mapping[str, str]) -> tuple[Path, ...]:
+    """The outputs this run of `stage` keeps work of: on several training nodes only node 0's, which alone
+    writes the draft (pipeline/stages/train.py); the others' runs leave it to node 0."""
+    if stage == "train" and params.train.nnodes > 1:
+        rank = params.train.node_rank if params.train.node_rank is not None else environ.get("NODE_RANK")
+        if str(rank).strip() != "0":
+            return ()
+    return RESUMABLE.get(stage, ())
+
+
 def tidy_other_stages(stage: str | None = None) -> None:
     """Tidy what killed runs left beside the resumable outputs of every stage but `stage`
     (pipeline/workflow/output_guard.py: a run-cache restore runs nothing that could)."""
@@ -217,7 +227,8 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
     image = built_image(params, host.repo) if docker else ""
     argv = launch_argv(stage, params, params_file, host, image, mounts)
     if argv is None:
-        with output_locks(stage, RESUMABLE.get(stage, ())), resumable_outputs(RESUMABLE.get(stage, ())):
+        outs = resumable(stage, params, host.environ)
+        with output_locks(stage, outs), resumable_outputs(outs):
             tidy_other_stages(stage)
             run_native()
         return
