@@ -254,7 +254,7 @@ def test_teammate_pulls_then_repro_runs_nothing_and_lr_reruns_only_train(origin,
 
 
 @pytest.mark.slow
-def test_repro_pull_restores_an_extraction_already_run(origin, tmp_path, run_log):
+def test_repro_pull_restores_every_stage_already_run(origin, tmp_path, run_log):
     """The run-cache: params set back to a combination the origin ran and pushed (the default
     layers; its dvc.lock now holds the other layers) restore every stage instead of running it."""
     origin_root, first = origin
