@@ -81,9 +81,10 @@ push: setup
 pull: setup
 	dvc pull --run-cache
 
-# Once, in a project run before pipeline/ moved into packages: re-records (dvc commit -f) the stages
-# whose only change is their code's new paths, re-running nothing (docs/UPGRADING.md,
-# "From a version before the package layout"; pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
+# Once, in a project run before pipeline/ moved into packages or before every stage was run-cacheable:
+# re-records (dvc commit -f) the stages whose only changes are their code's new paths and reports now
+# in DVC's cache, and every stage up to date into the run-cache, re-running nothing (docs/UPGRADING.md;
+# pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
 upgrade-layout: setup
 	$(PY) -m pipeline upgrade-layout $(UPGRADE_ARGS)
 

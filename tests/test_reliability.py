@@ -114,6 +114,7 @@ def test_lock_is_exclusive_and_released(tmp_path: Path, monkeypatch) -> None:
             with output_locks("extract", [out]):
                 pass
         assert not out.exists(), "the refused run touched the output"
+    assert not lock_path(out).exists(), "the holder removes its lock file when it is done"
     with output_locks("extract", [out]):  # released on exit
         pass
 
