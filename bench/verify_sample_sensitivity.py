@@ -1,4 +1,4 @@
-"""How weak a fault confined to 16 positions of one layer of one sample verify's per-sample tests catch (issue 18).
+"""How weak a fault confined to 16 positions of one layer of one sample verify's per-sample tests catch.
 
 For a clean extraction project (artifacts/ of a real run), fits the predictors and scores every
 sample as verify does, judges the clean run with the real `check_samples` (false alarms, clean maxima

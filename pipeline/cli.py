@@ -15,7 +15,7 @@ from pipeline.errors import PipelineError
 from pipeline.params import ParamsError, load_params
 from pipeline.stages import CPU_PINNED, SECTION, STAGES
 from pipeline.training import cpu_determinism
-from pipeline.workflow.launcher import IN_CONTAINER, launch
+from pipeline.workflow.launcher import IN_CONTAINER, launch, tidy_other_stages
 
 
 def _run_stage(stage: str, params_file: Path) -> None:
@@ -32,6 +32,9 @@ def _run_stage(stage: str, params_file: Path) -> None:
             module = importlib.import_module(f"pipeline.stages.{stage}")
             if SECTION[stage] is None:  # the check reads everything and loads nothing: always here, never in a container
                 module.run(params)
+                # it runs first after any edit of params.yaml or the data: what killed runs left beside a
+                # result DVC restored goes now, not only at the next run of another stage
+                tidy_other_stages()
                 return
             section = getattr(params, SECTION[stage])
             # here, or in the container per runtime.mode (pipeline/workflow/launcher.py)
@@ -165,8 +168,9 @@ def plan_cmd(params_file: Path, tokens, samples, config_path, hidden_size, num_l
 @main.command("upgrade-layout")
 @click.option("--dry-run", is_flag=True, help="Say which stages would be re-recorded; commit nothing.")
 def upgrade_layout_cmd(dry_run: bool) -> None:
-    """After the move to packages: re-record the stages whose only change is their code's new paths (dvc commit -f),
-    so a finished project re-runs nothing the move did not change (pipeline/workflow/upgrade_layout.py)."""
+    """After the move to packages or to run-cacheable outputs: re-record the stages whose only changes are their code's
+    new paths and reports now in DVC's cache, and the stages up to date into the run-cache (dvc commit -f), so a
+    finished project re-runs nothing the upgrade did not change (pipeline/workflow/upgrade_layout.py)."""
     from pipeline.workflow.upgrade_layout import upgrade
 
     try:

@@ -3,14 +3,17 @@
 Fast: every params.yaml key is classified, dvc.yaml's `params:` lists are exactly the table, and
 docs/ARCHITECTURE.md shows the same table. Slow (one real `dvc repro` of the tiny embedded
 project, shared by the module): DVC's own status for a changed value of every key, real repros
-for a few keys, a typo that must not cost verify's outputs, `dvc repro` from a clean shell, and
-the same bytes from a second run of model, prepare, extract and verify.
+for a few keys and the same keys changed back (every stage restored from the run-cache, running
+nothing), a typo that must not cost verify's outputs, `dvc repro` from a clean shell, the same
+bytes from a second run of model, prepare, extract and verify, and a killed training resumed or,
+its param changed back, restored.
 
 `dvc status` and `repro --dry` only show directly changed stages; what else runs follows from
 which outputs change, so the real repros assert on the stages `Repo.reproduce()` actually ran.
 """
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -204,9 +207,36 @@ def test_dvc_status_of_every_key_is_the_table(project):
     assert not wrong, f"DVC would run other stages than the table says: {wrong}"
 
 
+def output_files(root: Path) -> list[str]:
+    """Every file of every output dvc.yaml declares (outs, metrics, plots), folders walked."""
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    found = []
+    for stage in stages.values():
+        for kind in ("outs", "metrics", "plots"):
+            for o in stage.get(kind, []):
+                path = root / (o if isinstance(o, str) else next(iter(o)))
+                found += [str(f.relative_to(root)) for f in sorted(path.rglob("*")) if f.is_file()] if path.is_dir() \
+                    else [str(path.relative_to(root))]
+    return sorted(found)
+
+
+def repro_restores(root: Path, stages: set[str], ran: set[str] = frozenset()) -> None:
+    """`dvc repro` as typed: it runs no stage command but those of `ran` and restores exactly `stages` from the
+    run-cache."""
+    proc = dvc_cli(root, "repro")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert set(re.findall(r"Running stage '(\w+)'", out)) == ran, out[-3000:]
+    restored = set(re.findall(r"Stage '(\w+)' is cached - skipping run", out))
+    assert restored == stages, out[-3000:]
+
+
 @pytest.mark.slow
 def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(project):
+    """... and changed back, every stage it ran comes back from DVC's run-cache, the same bytes, running nothing."""
     assert reproduce(project) == set(), "no change must run nothing"
+    original = (project / "params.yaml").read_text()
+    first = digests(project, output_files(project))
 
     for key, value in (("extract.max_num_seqs", 7), ("verify.workers", 1), ("eval.cpu_kvcache_gib", 2),
                        ("data.regenerate.max_num_seqs", 3)):
@@ -231,6 +261,21 @@ def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(pro
     set_param(project, "eval", "max_tokens", 6)
     assert reproduce(project) == {"check", "eval"}
     assert reproduce(project) == set()
+
+    # changed back, one stage's param at a time, then all of them
+    before = digests(project, output_files(project))
+    set_param(project, "eval", "max_tokens", TINY["eval"]["max_tokens"])
+    repro_restores(project, {"check", "eval"})
+    set_param(project, "eval", "max_tokens", 6)
+    repro_restores(project, {"check", "eval"})
+    assert digests(project, output_files(project)) == before
+    # params.yaml as a whole is new (only the check's output is the same bytes): the check runs, verify is restored
+    set_param(project, "verify", "reference_samples", TINY["verify"]["reference_samples"])
+    repro_restores(project, {"verify"}, ran={"check"})
+    (project / "params.yaml").write_text(original)
+    repro_restores(project, {"check", "regenerate", "prepare", "extract", "verify", "train", "eval"})
+    assert output_files(project) == sorted(first) and digests(project, output_files(project)) == first
+    assert changed_stages(project) == set()
 
 
 def dvc_cli(root: Path, *args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -306,3 +351,53 @@ def test_a_second_run_gives_the_same_bytes(project):
     before = {k: v for k, v in before.items() if "metrics/" not in k}
     assert after == before
     assert changed_stages(project) == set()
+
+
+# --- a killed training --------------------------------------------------------------------------
+
+DRAFT = Path("artifacts/draft")
+KEPT_EPOCH_0 = Path("artifacts/.partial/draft/0/epoch_metrics.json")  # a complete epoch, kept by the launcher
+
+
+def draft_files(root: Path) -> dict[str, bytes]:
+    files = {str(p.relative_to(root)): p.read_bytes() for p in sorted((root / DRAFT).rglob("*")) if p.is_file()}
+    return files | {m: (root / m).read_bytes() for m in ("metrics/train.json", "metrics/train_curve.csv")}
+
+
+@pytest.mark.slow
+def test_killed_training_resumes_from_its_last_complete_epoch(project: Path) -> None:
+    """train's output is not persist (so DVC run-caches it): DVC deletes it before the run, and the
+    launcher puts the kept epochs back. The kill and the retyped command as in tests/test_recovery.py."""
+    from tests.test_recovery import kill_when, retype, up_to_date
+
+    set_param(project, "train", "epochs", 3)
+    kill_when(project, KEPT_EPOCH_0, "repro", "train")  # after its first complete epoch
+    assert not (project / DRAFT / "final.json").exists()
+    out = retype(project, "repro", "train")
+    assert "Running stage 'train'" in out, out[-3000:]
+    resumed = re.search(r"resuming after epoch (\d+)", out)
+    assert resumed and int(resumed.group(1)) < 2, out[-3000:]
+    assert "Starting fresh training run" not in out, out[-3000:]
+    assert json.loads((project / "metrics/train.json").read_text())["epochs_trained"] == 3
+    up_to_date(project, "train")
+    assert not (project / "artifacts" / ".partial").exists(), "a completed run keeps no checkpoints beside it"
+
+
+@pytest.mark.slow
+def test_killed_training_then_a_param_changed_back_restores_the_finished_draft(project: Path) -> None:
+    from tests.test_recovery import kill_when, retype, up_to_date
+
+    before = draft_files(project)
+    set_param(project, "train", "lr", 0.001)
+    kill_when(project, KEPT_EPOCH_0, "repro", "train")
+    set_param(project, "train", "lr", yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["lr"])
+    out = retype(project, "repro", "train")
+    assert "Stage 'train' is cached - skipping run, checking out outputs" in out, out[-3000:]
+    assert "Running stage 'train'" not in out, out[-3000:]
+    assert draft_files(project) == before, "the finished draft, its metrics and curve, byte for byte"
+    up_to_date(project, "train")
+    # the killed run's checkpoint (another lr: never resumed) goes with the next stage run, the check's too
+    assert (project / "artifacts/.partial/draft").is_dir() and (project / "artifacts/draft.lock").is_file()
+    retype(project, "repro", "-f", "-s", "check")
+    assert not (project / "artifacts" / ".partial").exists() and not (project / "artifacts/draft.lock").exists()
+    up_to_date(project, "train")

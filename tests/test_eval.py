@@ -79,5 +79,5 @@ def test_report_flags_a_large_gap(tmp_path: Path) -> None:
         eval_stage.write_report(metrics, rows, train, 0.15)
         report = Path(eval_stage.EVAL_REPORT).read_text()
     assert "layer-id convention" in report and "final norm" in report
-    # the other cause seen (issue 23): off-policy data for a target that fits it poorly, and the probe that tells them apart
+    # the other cause seen on the DeepSeek-V3-shaped target: off-policy data for a target that fits it poorly, and the probe that tells them apart
     assert "data.regenerate.enabled" in report and "bench/acceptance_probe.py" in report

@@ -259,19 +259,66 @@ def test_the_link_an_older_launcher_left_is_taken_back(tmp_path, monkeypatch):
     assert not output_guard.PARTIAL_DIR.exists()
 
 
-def test_prune_drops_only_links_a_restored_output_made_redundant(tmp_path, monkeypatch):
+def test_tidy_drops_only_links_a_restored_output_made_redundant(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     work = output_guard.partial_path(OUT)
     with pytest.raises(KeyboardInterrupt), resumable_outputs([OUT]):
         (OUT / "shard-00000.json").write_text("{}")
         raise KeyboardInterrupt
-    output_guard.prune_partials([OUT])
+    output_guard.tidy_left_behind([OUT])
     assert (work / "shard-00000.json").is_file(), "a killed run's work that dvc repro may yet delete stays"
     shutil.rmtree(OUT)  # `dvc repro` restores the cached result: new files at the output path
     OUT.mkdir()
     (OUT / "shard-00000.json").write_text("{}")
-    output_guard.prune_partials([OUT])
+    output_guard.tidy_left_behind([OUT])
     assert not output_guard.PARTIAL_DIR.exists()
+
+
+def test_only_node_0_of_a_multi_node_training_keeps_its_checkpoints():
+    one = Params()
+    assert launcher.resumable("train", one, {}) == (layout.DRAFT_DIR,)
+    two = Params.model_validate({"train": {"nnodes": 2}})
+    assert launcher.resumable("train", two, {"NODE_RANK": "0"}) == (layout.DRAFT_DIR,)
+    assert launcher.resumable("train", two, {"NODE_RANK": "1"}) == ()
+    assert launcher.resumable("train", Params.model_validate({"train": {"nnodes": 2, "node_rank": 1}}), {}) == ()
+    assert launcher.resumable("extract", two, {"NODE_RANK": "1"}) == (layout.HIDDEN_STATES_DIR,)
+
+
+def test_tidy_removes_a_killed_runs_scratch_and_lock_but_not_a_running_stages(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    scratch, lock = output_guard.scratch_path(OUT), output_guard.lock_path(OUT)
+    scratch.mkdir(parents=True)
+    (scratch / "request-0.safetensors").write_text("x")
+    lock.write_text("pid 1 on elsewhere\n")  # a killed holder's: the kernel dropped its flock
+    with output_guard.output_locks("extract", [OUT]):  # a run of the stage holds the lock
+        output_guard.tidy_left_behind([OUT])
+        assert (scratch / "request-0.safetensors").is_file() and lock.is_file()
+    output_guard.tidy_left_behind([OUT])
+    assert not scratch.exists() and not lock.exists()
+
+
+def test_checkpoints_in_subfolders_are_kept_and_resumed(tmp_path, monkeypatch):
+    """train's output: a folder per epoch; a checkpoint the stage deletes (another run key) goes from the links too."""
+    monkeypatch.chdir(tmp_path)
+    draft = layout.DRAFT_DIR
+    with pytest.raises(KeyboardInterrupt), resumable_outputs([draft]):
+        (draft / "0").mkdir()
+        (draft / "0" / "model.safetensors").write_text("w0")
+        (draft / "run_key.json").write_text("{}")
+        os.symlink("0", draft / "epoch0_end")  # speculators' convenience link: not work
+        raise KeyboardInterrupt
+    work = output_guard.partial_path(draft)
+    assert (work / "0" / "model.safetensors").stat().st_ino == (draft / "0" / "model.safetensors").stat().st_ino
+    assert not (work / "epoch0_end").exists()
+    shutil.rmtree(draft)  # what `dvc repro` does to a non-persist output before it runs the stage
+    with resumable_outputs([draft]):
+        assert (draft / "0" / "model.safetensors").read_text() == "w0", "the next run resumes from epoch 0"
+        shutil.rmtree(draft / "0")  # the stage starting afresh (another run key)
+        (draft / "1").mkdir()
+        (draft / "1" / "model.safetensors").write_text("w1")
+        output_guard.OutputMirror(draft, work).sync()
+        assert sorted(str(p.relative_to(work)) for p in work.rglob("*")) == ["1", "1/model.safetensors", "run_key.json"]
+    assert not output_guard.PARTIAL_DIR.exists(), "a run that succeeds keeps no links"
 
 
 # --- dvc.yaml, Dockerfile, Makefile ---------------------------------------------------------
@@ -287,10 +334,15 @@ def test_every_stage_goes_through_the_launcher_and_depends_on_the_image():
         assert not any(str(p).startswith("runtime.mode") or p == "runtime" for p in stage["params"]), name
 
 
-def test_run_cached_stages_have_no_persist_output():
-    """DVC never run-caches a stage with a persist output; extract must be restorable."""
-    outs = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]["extract"]["outs"]
-    assert all(isinstance(o, str) or not next(iter(o.values())).get("persist") for o in outs)
+def test_every_stage_can_be_run_cached():
+    """DVC never run-caches a stage with a persist output, nor one with a `cache: false` out that is not
+    declared as metrics or plots: every stage must be restorable."""
+    for name, stage in yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"].items():
+        for kind in ("outs", "metrics", "plots"):
+            for o in stage.get(kind, []):
+                opts = {} if isinstance(o, str) else next(iter(o.values()))
+                assert not opts.get("persist"), (name, o)
+                assert kind != "outs" or opts.get("cache", True), (name, o)
 
 
 @pytest.mark.parametrize("recipe", ["docker/Dockerfile", "docker/Dockerfile.cpu"])

@@ -246,7 +246,7 @@ def closure(module: str) -> set[str]:
 def test_each_stage_depends_on_the_code_that_decides_its_outputs() -> None:
     """dvc.yaml lists, for every stage, each pipeline module its entry imports (directly or not) but the plumbing
     above: a module that decides a stage's outputs and is not listed would let an edit to it leave a stale output in
-    place (pipeline/verification/samples/fit.py and pipeline/verification/samples/whitening.py were missing from verify's until session 16)."""
+    place (an edit to pipeline/verification/samples/fit.py would otherwise not re-run verify)."""
     import yaml
 
     stages = yaml.safe_load((PIPELINE.parent / "dvc.yaml").read_text())["stages"]

@@ -160,7 +160,7 @@ def _leaves(d: dict, prefix: str = "") -> dict:
     return out
 
 
-# the GPU profile (issue 21): what it changes against params.yaml, and nothing else
+# the GPU profile: what it changes against params.yaml, and nothing else
 GPU_PROFILE = {
     "model.embedded.num_layers": 16, "model.embedded.hidden_size": 2048, "model.embedded.num_heads": 16,
     "model.embedded.num_kv_heads": 8, "model.embedded.intermediate_size": 5632, "model.embedded.train_steps": 200,

@@ -114,7 +114,7 @@ def test_projection_matches_a_real_extraction(tmp_path, tiny_target, prepared, p
 
 
 def test_real_scale_projection_from_the_cli(tmp_path):
-    """The documented Kimi-K2.5-shaped example (README): no model or data needed."""
+    """The documented Kimi-K2.5-shaped example (docs/PLANNING.md): no model or data needed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     args = ["--config", str(ROOT / "examples" / "kimi-k2.5-config.json"), "--tokens", "1e9", "--dtype", "bfloat16",
             "--layer-ids", "2,30,58,61", "--weights-gib", "594", "--gpu-gib", "141", "--tok-per-s", "20000", "--json"]
@@ -150,9 +150,9 @@ def test_real_scale_projection_from_the_cli(tmp_path):
 # rate (plain prefill; the engine inside the stage for the TP runs, which had no plain run), bytes written, the
 # largest shard, and the measured time: tokens / the stage's own tok/s (until its last shard was written).
 H200_RUNS = {
-    "seed shape, depth 4 (issue 28)": (131_072, 79_942.6, 5_638_365_336, 1_409_585_248, 131_072 / 15_966.9),
-    "8B, 1M tokens, fresh machine (call 4)": (1_048_576, 43_594, 34_369_175_552, 1_074_036_736, 1_048_576 / 35_735),
-    "8B, DVC cost run (issue 20)": (368_640, 43_594, 12_083_377_961, 268_509_184, 368_640 / 35_175.5),
+    "seed shape, depth 4": (131_072, 79_942.6, 5_638_365_336, 1_409_585_248, 131_072 / 15_966.9),
+    "8B, 1M tokens, fresh machine": (1_048_576, 43_594, 34_369_175_552, 1_074_036_736, 1_048_576 / 35_735),
+    "8B, DVC cost run": (368_640, 43_594, 12_083_377_961, 268_509_184, 368_640 / 35_175.5),
     "8B, TP=1 eager": (262_144, 42_188, 8_592_228_352, 537_018_368, 262_144 / 29_150),
     "8B, TP=2 eager": (262_144, 65_444, 8_592_228_352, 537_018_368, 262_144 / 32_222),
 }

@@ -4,7 +4,7 @@ of the real stages on the embedded default at tiny params, driven as a user driv
 A kill is SIGKILL to the process group of `dvc repro` (DVC, the stage, vLLM) at an observed point:
 a finished shard kept in `artifacts/.partial/hidden_states`. No hook in the product code. After
 each accident the same command, typed again, must succeed without `--force`, and `dvc status`
-must show only what the user changed (docs/RELIABILITY.md, "Interrupted and failed runs").
+must show only what the user changed (docs/RELIABILITY.md, "Crashes").
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from tests.test_dvc_invalidation import TINY, merge
 ROOT = Path(__file__).resolve().parents[1]
 HS = Path("artifacts/hidden_states")
 PARTIAL = Path("artifacts/.partial/hidden_states")
+SCRATCH = Path("artifacts/hidden_states.scratch")
+LOCK = Path("artifacts/hidden_states.lock")
 STUCK = "without a confirmation"
 TRACEBACK = "Traceback (most recent call last)"
 
@@ -122,10 +124,13 @@ def test_killed_forced_rerun_of_a_finished_extraction_is_restored(project: Path)
     assert "Stage 'extract' is cached - skipping run, checking out outputs" in out, out[-3000:]
     up_to_date(project, "extract")
     assert (project / "dvc.lock").read_text() == lock_before
-    # the killed run's links, now redundant, go with the next stage run through the launcher
-    assert (project / PARTIAL).is_dir()
+    # a restore runs no command of ours: what the killed run left beside the output (its links, now
+    # redundant, vLLM's scratch folder, the lock file) goes with the next stage run through the launcher
+    left = (PARTIAL, SCRATCH, LOCK)
+    assert all((project / p).exists() for p in left)
     retype(project, "repro", "-f", "-s", "regenerate")  # instant with regeneration off
-    assert not (project / PARTIAL).exists()
+    assert not any((project / p).exists() for p in left)
+    assert not (project / "artifacts" / ".partial").exists()
     up_to_date(project, "extract", "regenerate")
 
 
@@ -205,3 +210,4 @@ def test_a_bad_data_file_is_refused_in_seconds_before_the_target_is_touched(proj
     retype(project, "repro", "prepare")
     up_to_date(project, "model", "regenerate", "prepare")
     assert yaml.safe_load((project / "dvc.lock").read_text())["stages"]["model"] == model_lock
+

@@ -1,4 +1,4 @@
-"""Reliability cases of issue 7 not covered elsewhere (docs/RELIABILITY.md lists them all):
+"""Reliability cases not covered elsewhere (docs/RELIABILITY.md lists them all):
 
 - two extract runs on one output: the second is refused by the lock, the first completes;
 - the output disk fills up mid-run: a clear error, no truncated shard at a final name, a rerun completes;
@@ -114,6 +114,7 @@ def test_lock_is_exclusive_and_released(tmp_path: Path, monkeypatch) -> None:
             with output_locks("extract", [out]):
                 pass
         assert not out.exists(), "the refused run touched the output"
+    assert not lock_path(out).exists(), "the holder removes its lock file when it is done"
     with output_locks("extract", [out]):  # released on exit
         pass
 

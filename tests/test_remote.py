@@ -7,7 +7,8 @@ tests/test_dvc_invalidation.py, and fresh copies of the project holding only wha
 - a teammate's fresh copy: `dvc pull` restores the outputs, `dvc repro` runs nothing; after
   `train.lr` changes only train and eval run.
 - another fresh copy (no cache) set back to the first, already pushed params: `dvc repro --pull`
-  restores the extraction from the run-cache instead of running it.
+  restores every stage from the run-cache instead of running it (the reports, metrics and draft of
+  the first run, byte for byte).
 
 Which stage commands really ran is read from a `python` wrapper first on PATH (every dvc.yaml cmd
 is `bin/python -m pipeline run <stage>`, which runs the `python` on PATH where the project has no .venv), independently of timing and of what DVC reports.
@@ -35,9 +36,14 @@ from tests.test_dvc_invalidation import ALL, TINY, merge, reproduce, set_param
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BUCKET = "eagle3-dvc-remote"
-# what a git clone of a project that ran the pipeline holds (README: "Teammates: share and reuse")
-CARRIED = ("pipeline", "data", "bin", "dvc.yaml", "params.yaml", "dvc.lock", ".dvcignore", ".dvc/config", "metrics", "reports")
+# what a git clone of a project that ran the pipeline holds (docs/SHARING.md; reports/ is in DVC's
+# cache: `dvc pull` brings it)
+CARRIED = ("pipeline", "data", "bin", "dvc.yaml", "params.yaml", "dvc.lock", ".dvcignore", ".dvc/config", "metrics")
 HIDDEN_META = Path("artifacts/hidden_states/extract_meta.json")
+# what verify, train and eval give a teammate: the reports (DVC's cache), the metrics and plots (git), the draft
+RESULTS = ("reports/verify/report.md", "reports/verify/findings.json", "reports/eval.md", "metrics/verify.json",
+           "metrics/verify_layers.csv", "metrics/train.json", "metrics/train_curve.csv", "metrics/eval.json",
+           "artifacts/verify/verdict.json", "artifacts/draft/final.json")
 # CPU vLLM has no attention kernel for head_dim 16 (TINY's 64 / 4 heads): keep head_dim at 32
 PARAMS = merge(copy.deepcopy(TINY), {"model": {"embedded": {"num_heads": 2, "num_kv_heads": 1}}})
 
@@ -130,13 +136,13 @@ def share_push(root: Path) -> None:
 
 
 def credentials(root: Path) -> None:
-    """Each teammate's own, in the git-ignored .dvc/config.local (README)."""
+    """Each teammate's own, in the git-ignored .dvc/config.local (docs/SHARING.md, "Remotes")."""
     dvc(root, "remote", "modify", "--local", "shared", "access_key_id", "testing")
     dvc(root, "remote", "modify", "--local", "shared", "secret_access_key", "testing")
 
 
 def add_remote(root: Path, endpoint: str, prefix: str) -> None:
-    """The S3 commands of README.md, against the loopback server."""
+    """The S3 commands of docs/SHARING.md ("Remotes"), against the loopback server."""
     dvc(root, "remote", "add", "-d", "shared", f"s3://{BUCKET}/{prefix}")
     dvc(root, "remote", "modify", "shared", "endpointurl", endpoint)
     credentials(root)
@@ -170,7 +176,8 @@ def origin(tmp_path_factory, s3_endpoint, run_log):
     add_remote(root, s3_endpoint, "eagle3")
 
     assert reproduce(root) == ALL
-    first = {"meta": (root / HIDDEN_META).read_text(), "metrics": (root / "metrics/extract.json").read_text()}
+    first = {"meta": (root / HIDDEN_META).read_text(), "metrics": (root / "metrics/extract.json").read_text(),
+             "results": {p: (root / p).read_bytes() for p in RESULTS}}
     share_push(root)
 
     set_param(root, "extract", "layer_ids", [1, 4, 6, 8])
@@ -234,7 +241,7 @@ def test_teammate_pulls_then_repro_runs_nothing_and_lr_reruns_only_train(origin,
     assert not (clone / "artifacts").exists() and not (clone / ".dvc" / "cache").exists()
 
     dvc(clone, "pull")
-    for out in ("artifacts/hidden_states/extract_meta.json", "artifacts/verify/verdict.json", "artifacts/draft/final.json"):
+    for out in ("artifacts/hidden_states/extract_meta.json", *RESULTS):
         assert (clone / out).read_bytes() == (origin_root / out).read_bytes(), out
 
     start = mark(run_log)
@@ -247,9 +254,9 @@ def test_teammate_pulls_then_repro_runs_nothing_and_lr_reruns_only_train(origin,
 
 
 @pytest.mark.slow
-def test_repro_pull_restores_an_extraction_already_run(origin, tmp_path, run_log):
+def test_repro_pull_restores_every_stage_already_run(origin, tmp_path, run_log):
     """The run-cache: params set back to a combination the origin ran and pushed (the default
-    layers; its dvc.lock now holds the other layers) restore extract instead of running it."""
+    layers; its dvc.lock now holds the other layers) restore every stage instead of running it."""
     origin_root, first = origin
     clone = fresh_copy(origin_root, tmp_path / "clone")
     set_param(clone, "extract", "layer_ids", None)
@@ -257,13 +264,12 @@ def test_repro_pull_restores_an_extraction_already_run(origin, tmp_path, run_log
     start = mark(run_log)
     reproduce(clone, pull=True)
     runs = ran(run_log, start)
-    assert "extract" not in runs, f"extract ran instead of being restored: {runs}"
-    assert not {"model", "prepare"} & set(runs), runs
-    # not in the run-cache, so they run: train (its output persists, to resume from checkpoints),
-    # verify and eval (they have `cache: false` outputs, reports/, which DVC does not run-cache)
-    assert set(runs) <= {"check", "verify", "train", "eval"}, runs
-    # the restored extraction is the origin's first one, its metrics included (its timings too)
+    assert runs == [], f"ran instead of being restored: {runs}"
+    # the restored results are the origin's first ones, byte for byte: the extraction, its metrics
+    # (their timings too), the reports, the draft
     assert (clone / HIDDEN_META).read_text() == first["meta"]
     assert (clone / "metrics/extract.json").read_text() == first["metrics"]
+    for out, data in first["results"].items():
+        assert (clone / out).read_bytes() == data, out
     assert json.loads(first["meta"])["layer_ids"] == [2, 4, 5, 8]
     assert reproduce(clone) == set()

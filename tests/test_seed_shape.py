@@ -1,4 +1,4 @@
-"""The seed-shape writer (issue 28) at a tiny width, same code path and format as the H200 run: its INT4
+"""The seed-shape writer at a tiny width, same code path and format as the H200 run: its INT4
 experts dequantize to the bf16 weights they were quantized from (within half a quantization step),
 the streamed reference reads the checkpoint (every tensor once, experts in chunks under a small
 budget) and equals the whole model of its dequantized weights, and bad input is refused before any

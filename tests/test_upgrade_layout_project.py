@@ -33,8 +33,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BEFORE_THE_MOVE = "2aeb9ee"
+BEFORE_RUN_CACHE = "61b87c6"  # the last commit before every stage was run-cacheable
 STAGES = {"check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
 CHANGED_FOR_REAL = {"verify"}  # see the module docstring
+# the reports, `cache: false` outs before every stage was run-cacheable, in DVC's cache since
+NEWLY_CACHED = {"verify": "reports/verify", "eval": "reports/eval.md"}
 ONLY_MOVED = STAGES - CHANGED_FOR_REAL
 
 
@@ -61,19 +64,40 @@ def lock(root: Path) -> dict:
     return yaml.safe_load((root / "dvc.lock").read_text())["stages"]
 
 
-@pytest.fixture(scope="module")
-def upgraded(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The project finished at 2aeb9ee, its code brought to HEAD, then `upgrade-layout --dry-run` and the real one."""
+def forget_what_repro_does_not_cache(root: Path) -> None:
+    """Leave the caches as `dvc repro` would have: `dvc commit` also saves each stage to the run-cache, and with it
+    the `cache: false` outs into DVC's cache, which `dvc repro` does for no stage with such an out (not a metric or
+    plot). So: no run records, and those outs' objects out of the cache."""
+    import shutil
+
+    cache = root / ".dvc" / "cache"
+    shutil.rmtree(cache / "runs", ignore_errors=True)
+    stages = yaml.safe_load((root / "dvc.yaml").read_text())["stages"]
+    for name, stage in stages.items():
+        uncached = {next(iter(o)) for o in stage.get("outs", []) if isinstance(o, dict)
+                    and next(iter(o.values())).get("cache") is False}
+        for out in lock(root)[name].get("outs", []):
+            if out["path"] not in uncached:
+                continue
+            obj = cache / "files" / "md5" / out["md5"][:2] / out["md5"][2:]
+            if out["md5"].endswith(".dir"):
+                for entry in json.loads(obj.read_text()):
+                    (cache / "files" / "md5" / entry["md5"][:2] / entry["md5"][2:]).unlink()
+            obj.unlink()
+
+
+def finished_at(commit: str, tmp_path_factory: pytest.TempPathFactory, name: str) -> tuple[Path, dict]:
+    """This repository cloned at `commit` and made finished there without running a stage, then its code brought to
+    HEAD (with the uncommitted edits to tracked files, none in CI), dvc.lock and the outputs kept: (root, dummies)."""
     if subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"], capture_output=True).returncode != 0:
         pytest.skip("not a git checkout: the project is made from this repository's history")
-    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{BEFORE_THE_MOVE}^{{commit}}"],
+    if subprocess.run(["git", "-C", str(ROOT), "cat-file", "-e", f"{commit}^{{commit}}"],
                       capture_output=True).returncode != 0:
-        pytest.fail(f"commit {BEFORE_THE_MOVE} (before the package layout) is not in this clone's history: "
-                    "a shallow clone? `git fetch --unshallow`")
+        pytest.fail(f"commit {commit} is not in this clone's history: a shallow clone? `git fetch --unshallow`")
     head = sh(ROOT, "git", "rev-parse", "HEAD").strip()
-    root = tmp_path_factory.mktemp("upgrade") / "project"
+    root = tmp_path_factory.mktemp(name) / "project"
     sh(root.parent, "git", "clone", "-q", str(ROOT), str(root))
-    sh(root, "git", "checkout", "-q", BEFORE_THE_MOVE)
+    sh(root, "git", "checkout", "-q", commit)
 
     # finished without running a stage: a dummy at every output, a lock recorded for every stage
     dummies = {}
@@ -86,15 +110,21 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> dict:
             path.write_text(f"{stage}: {out}\n")
             dummies[path] = path.read_bytes()
     sh(root, "dvc", "commit", "-f")
-    assert status(root) == {}, "the project at 2aeb9ee is not finished"
+    forget_what_repro_does_not_cache(root)
+    assert status(root) == {}, f"the project at {commit} is not finished"
     assert set(lock(root)) == STAGES
 
-    # the code now: HEAD of this repository, with its uncommitted edits to tracked files (none in CI)
     sh(root, "git", "checkout", "-q", head)
     diff = subprocess.run(["git", "-C", str(ROOT), "diff", "HEAD", "--binary"], capture_output=True, check=True).stdout
     if diff:
         sh(root, "git", "apply", input=diff)
+    return root, dummies
 
+
+@pytest.fixture(scope="module")
+def upgraded(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """The project finished at 2aeb9ee, its code brought to HEAD, then `upgrade-layout --dry-run` and the real one."""
+    root, dummies = finished_at(BEFORE_THE_MOVE, tmp_path_factory, "upgrade")
     lock_text = (root / "dvc.lock").read_text()
     before = status(root)
     dry = sh(root, "python", "-m", "pipeline", "upgrade-layout", "--dry-run")
@@ -104,11 +134,14 @@ def upgraded(tmp_path_factory: pytest.TempPathFactory) -> dict:
             "dry_lock_text": dry_lock_text, "status_before": before, "dry": dry, "out": out, "dummies": dummies}
 
 
-def test_before_the_upgrade_every_stage_looks_changed_by_its_code_alone(upgraded):
+def test_before_the_upgrade_every_stage_looks_changed_by_its_code_and_its_newly_cached_reports_alone(upgraded):
     before = upgraded["status_before"]
     assert set(before) == STAGES, "the move should change every stage's code deps"
     for stage, entries in before.items():
-        assert all(set(e) == {"changed deps"} for e in entries), (stage, entries)
+        assert any(set(e) == {"changed deps"} for e in entries), (stage, entries)
+        outs = [e["changed outs"] for e in entries if set(e) == {"changed outs"}]
+        assert len(outs) + 1 == len(entries), (stage, entries)
+        assert outs == ([{NEWLY_CACHED[stage]: "not in cache"}] if stage in NEWLY_CACHED else []), (stage, entries)
 
 
 def test_dry_run_reports_the_same_and_commits_nothing(upgraded):
@@ -121,7 +154,8 @@ def test_dry_run_reports_the_same_and_commits_nothing(upgraded):
 def test_extract_and_every_stage_whose_code_only_moved_are_re_recorded_not_re_run(upgraded):
     out = upgraded["out"]
     for stage in ONLY_MOVED:
-        assert f"{stage}: only moved code: re-recorded, not re-run" in out, out
+        also = " and outputs now cached" if stage in NEWLY_CACHED else ""
+        assert f"{stage}: only moved code{also}: re-recorded, not re-run" in out, out
     for stage in CHANGED_FOR_REAL:
         assert f"{stage}: left to `dvc repro`" in out, out
     root = upgraded["root"]
@@ -149,3 +183,33 @@ def test_the_lock_keeps_every_output_and_records_the_moved_code(upgraded):
     # the outputs themselves are untouched
     for path, data in upgraded["dummies"].items():
         assert path.read_bytes() == data, path
+
+
+# --- a project finished before every stage was run-cacheable ---------------------------------------------------------
+
+
+def test_a_project_finished_before_the_run_cache_upgrades_and_restores_every_stage_from_it(tmp_path_factory):
+    """Finished at BEFORE_RUN_CACHE (train's draft `persist: true`, the reports `cache: false`): the upgrade re-runs
+    nothing and re-records every stage, so that with dvc.lock and every output gone (as a param changed and changed
+    back would find them: new results elsewhere, the old ones only in the caches) `dvc repro` restores each stage
+    from the run-cache, running no stage command, the same bytes back."""
+    root, dummies = finished_at(BEFORE_RUN_CACHE, tmp_path_factory, "run-cache")
+    before = status(root)
+    assert before == {stage: [{"changed outs": {out: "not in cache"}}] for stage, out in NEWLY_CACHED.items()}, before
+    lock_text = (root / "dvc.lock").read_text()
+    out = sh(root, "python", "-m", "pipeline", "upgrade-layout")
+    for stage in STAGES:
+        what = "outputs now cached: re-recorded" if stage in NEWLY_CACHED else "up to date: re-recorded into the run-cache"
+        assert f"{stage}: {what}, not re-run" in out, out
+    assert status(root) == {} and (root / "dvc.lock").read_text() == lock_text
+
+    (root / "dvc.lock").unlink()
+    for path in dummies:
+        path.unlink()
+    repro = sh(root, "dvc", "repro")
+    assert "Running stage" not in repro, repro
+    for stage in STAGES:
+        assert f"Stage '{stage}' is cached - skipping run, checking out outputs" in repro, repro
+    for path, data in dummies.items():
+        assert path.read_bytes() == data, path
+    assert lock(root) == yaml.safe_load(lock_text)["stages"]

@@ -1,4 +1,4 @@
-"""Every sample judged on its own (issue 18): each fault class is planted into ONE sample of one
+"""Every sample judged on its own: each fault class is planted into ONE sample of one
 shard of a clean, real vLLM extraction, through `pipeline.hidden_states.format.write_shard` (so sha256, sizes and
 the recorded per-sample statistics agree with the wrong data), into a sample that is not among the
 reference samples; verify must fail naming that shard, sample and layer. Clean data raises nothing."""
@@ -20,7 +20,7 @@ from tests.conftest import copy_project, run_stage
 
 pytestmark = pytest.mark.slow
 VERIFY = {"reference_samples": 4}
-RUN = 16  # positions a confined fault spans (the issue's sensitivity unit)
+RUN = 16  # positions a confined fault spans (the unit sensitivity is measured in)
 
 
 @pytest.fixture
@@ -133,10 +133,11 @@ def test_clean_run_reports_the_per_sample_tests(project: Path):
     assert max(tests["max_z"]) < tests["z_threshold"]
 
 
-# Weak noise: relative RMS error 0.5 over 16 positions of one layer (the issue asks for 0.1). The raw residual share
+# Weak noise: relative RMS error 0.5 over 16 positions of one layer (0.1 is not caught at this stride). The raw residual share
 # misses it (the clean share is 5-21% of a state's energy on this target); the whitened share, which weighs the
 # residual by the inverse of the clean residual's covariance, catches it: 0.5 is the limit measured for this victim
-# on this 20-sample extraction (docs/ARCHITECTURE.md "Sensitivity, measured"; bench/verify_sample_sensitivity.py)
+# on this 20-sample extraction (docs/ARCHITECTURE.md, "Per-sample tests: what is caught,
+# what cannot be"; bench/verify_sample_sensitivity.py)
 WEAK_NOISE = 0.5
 
 

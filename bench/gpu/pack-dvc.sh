@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pack DVC (the version in requirements/cpu.txt) for the offline H200 host, whose image has
-# python3.12 + torch + transformers but no DVC and no network (../shared/gpu/README.md), for the
+# python3.12 + torch + transformers but no DVC and no network, for the
 # bench's `dvccost` job (bench/gpu_jobs/job_dvc.py, bench/dvc_cost.py).
 #
 # Run on a machine with PyPI, from the root of the repo whose tree goes to the GPU host:
@@ -11,7 +11,7 @@
 # What is packed: dvc and every package of its dependency closure that the image lacks, as
 # CPython 3.12 manylinux x86_64 wheels installed into one PYTHONPATH directory (no bin/: run DVC
 # as `python3 -m dvc`). Left out: what the image already has (IMAGE below, the list
-# shared/gpu/pack-vllm.sh resolves against) and what the vLLM pack carries (pydantic,
+# the vLLM pack resolves against) and what the vLLM pack carries (pydantic,
 # pydantic-core, annotated-types, typing-inspection, typing-extensions 4.16): unpack both, the
 # vLLM pack first. antlr4-python3-runtime (hydra-core's) has no wheel on PyPI: it is built here
 # from its sdist (pure Python, py3-none-any).
@@ -57,7 +57,7 @@ for n in $(seq 39 -1 5); do PLAT+=(--platform "manylinux_2_${n}_x86_64"); done
 PLAT+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 PYFLAGS=(--only-binary=:all: --python-version "$PYVER" --implementation cp --abi "$ABI" --abi abi3 --abi none "${PLAT[@]}")
 
-# Distributions on the GPU host's image (its package list, 2026-11; as in shared/gpu/pack-vllm.sh)
+# Distributions on the GPU host's image (its package list, 2026-11; the same list the vLLM pack uses)
 cat >"$WORK/image.txt" <<'TXT'
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch
 build certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage

@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# vLLM's MoE extension for the offline H200 host, which ../shared/gpu/pack-vllm.sh leaves out (a dense
+# vLLM's MoE extension for the offline H200 host, which the vLLM pack (pack-vllm.sh) leaves out (a dense
 # model never loads it; a MoE target, the seed shape's INT4 experts included, needs it: the Marlin
 # WNA16 MoE GEMM and the MoE align/sum ops live in _moe_C_stable_libtorch).
 #
 # From the repo root:  bash bench/gpu/pack-moe.sh [VLLM_WHEEL]
-# Result: .gpumoe/moe.tar.xz (+ .sha256), ~20 MiB, added to .git/info/exclude. It rides in the same
-# call as the vLLM part or in a later call on the same warm machine (the 64 MiB carry limit: see
-# docs/BENCHMARKS.md "The seed's shape on one H200"). Unpack there, after pack-vllm's unpack line:
+# Result: .gpumoe/moe.tar.xz (+ .sha256), ~20 MiB, added to .git/info/exclude. With the 45 MiB vLLM part it
+# exceeds one 64 MiB carry: it rides in a later command on the same warm machine (docs/BENCHMARKS.md
+# "GPU hosts"). Unpack there, after the vLLM pack's unpack line:
 #   (cd .gpumoe && sha256sum -c moe.tar.xz.sha256) && python3 -c "import tarfile;tarfile.open('.gpumoe/moe.tar.xz','r:xz').extractall('/tmp/site',filter='tar')"
 #
 # Steps: the .so from the vLLM 0.26.0 wheel (downloaded unless given), its CUDA fat binary cut to
 # sm_90 with pack-vllm.sh's own fatprune.py (taken from that script, so both cut alike), its symbol
 # table stripped (strip --strip-unneeded: the dynamic symbols torch loads by stay), xz -9e.
+# Needs: pack-vllm.sh, the vLLM pack's script, which this repository does not hold: PACK_VLLM=its path
+# (default ../shared/gpu/pack-vllm.sh, beside the checkout).
 set -euo pipefail
 
 VLLM_VERSION=${VLLM_VERSION:-0.26.0}

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Pack speculators (the version in requirements/no-deps.txt) for the offline H200 host, whose image has python3.12 +
-# torch + transformers but not speculators and what it imports (../shared/gpu/README.md): for training the draft on
-# the GPU (issue 21) and for speculators' own data generation beside our extract stage (issue 29).
+# torch + transformers but not speculators and what it imports: for training the draft on the GPU (`--jobs pipeline`)
+# and for speculators' own data generation beside our extract stage (`--jobs peer`). It also carries `datasets` and
+# `multiprocess`, which every job of bench/gpu_extract_bench.py imports and the image lacks. It goes beside the vLLM
+# pack (docs/BENCHMARKS.md "GPU hosts").
 #
 # Run on a machine with PyPI, from the root of the repo whose tree goes to the GPU host:
 #     bash bench/gpu/pack-speculators.sh

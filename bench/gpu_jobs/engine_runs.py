@@ -32,12 +32,12 @@ def _engine_params(state: dict, name: str):
 
 def _patch_eager_for_moe(state: dict, name: str) -> None:
     """The MoE run proves the architecture, it is not timed: eager mode skips minutes of compile. The
-    seed (issue 28) runs eager too, extraction and plain prefill alike (same settings: the ratio holds),
+    seed runs eager too, extraction and plain prefill alike (same settings: the ratio holds),
     so that both engines start within one 600 s call.
     `--eager` puts the dense runs in eager mode too (start-up ~1 min shorter; tok/s not the compiled one)."""
     from pipeline.extraction import vllm_compat
 
-    # the verifyall job's "dense" stage is issue 4's timed baseline: always compiled
+    # the verifyall job's "dense" stage is verify's budget's denominator: always compiled
     if model_of(state, name) not in ("moe", "seed") and (not state.get("eager") or name == "dense"):
         return
     orig = vllm_compat.engine_kwargs

@@ -1,4 +1,4 @@
-"""Peak GPU memory of named parts of a process, measured from outside their code (issue 28: the streamed
+"""Peak GPU memory of named parts of a process, measured from outside their code (the streamed
 reference's own peak against its budget, apart from the rest of verify).
 
 `Peaks.wrap(module, "name", label)` replaces a module-level function (looked up at call time by its

@@ -6,7 +6,8 @@ the bench's extract settings, `dvc init --no-scm`: the GPU host has no git and n
 real check stage for artifacts/check.json, then bench/dvc_cost.py there: the stage alone, `dvc
 commit`, `dvc repro -f -s extract`, push and pull to a local remote. Two engine runs (~150 s each on
 the H200): one cache type per call. `--jobs dvccost` measures the default cache type (a copy on
-ext4), `--jobs dvccost_link` hardlink,symlink (README "Disk: cache type" calls them safe here).
+ext4), `--jobs dvccost_link` hardlink,symlink (docs/SHARING.md, "Disk: the cache
+type", calls them safe here).
 
 Disk: the H200 host has 64 GiB free on its one ext4 disk, and a run keeps up to 5 copies of the
 output at its peak with the copy type (dvc_cost.copies_needed), so the job sizes its own workload to
@@ -31,7 +32,7 @@ from gpu_jobs.common import ENGINE, REPO, SMOKE_ENGINE, WORKLOADS, layer_ids_of,
 CACHE_TYPES = {"copy": None, "link": "hardlink,symlink"}  # None: the project's default (reflink,copy)
 BYTES_PER_TOKEN = 4 * 4096 * 2 + 9  # the dense 8B shape, 4 layers in bf16, + ids and loss mask
 PROMPT_TOKENS = 512
-MIN_BYTES = 10e9  # issue 20: DVC's cost measured at GPU scale, not on a toy output
+MIN_BYTES = 10e9  # DVC's cost measured at GPU scale, not on a toy output
 DISK_SHARE = 0.9  # of the free space: vLLM's per-request scratch files and the clone's small files need room too
 
 

@@ -1,4 +1,4 @@
-"""bench step peer (issue 29): speculators' own data generation on the prompts our extract stage ran on.
+"""bench step peer: speculators' own data generation on the prompts our extract stage ran on.
 
 speculators 0.9 generates EAGLE-3 data with a vLLM server that captures hidden states through the same
 `extract_hidden_states` method and `ExampleHiddenStatesConnector` our stage uses, and an async client

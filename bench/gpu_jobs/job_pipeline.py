@@ -1,10 +1,10 @@
-"""bench job pipeline (issue 21): the whole pipeline through `dvc repro`, stage by stage, in a project that outlives the call.
+"""bench job pipeline: the whole pipeline through `dvc repro`, stage by stage, in a project that outlives the call.
 
 The project lives outside the checkout (`--pipeline-dir`, /tmp/pipeline21 by default): the device tool copies the
 checkout over on every call, and dvc.lock is tracked there, so a project inside it would lose its state. It is the
 repo's dvc.yaml, pipeline/, data/ and bin/ (copied again on every call: a changed stage's code re-runs that stage,
 as in any checkout), `params.gpu.yaml` as its params.yaml (`--smoke`: the CPU default, params.yaml), `dvc init
---no-scm` (the host has no git), cache.type hardlink,symlink (README "Disk: cache type") and a .venv/bin/python that runs
+--no-scm` (the host has no git), cache.type hardlink,symlink (docs/SHARING.md, "Disk: the cache type") and a .venv/bin/python that runs
 the bench's interpreter (bin/python would else take any `python` on the host's PATH).
 
 Each stage is its own child step (`pipeline:<stage>`): `python3 -m dvc repro <stage>`, so DVC runs whatever
@@ -31,9 +31,9 @@ from dvc_cost import TIMING_SHELL
 from gpu_jobs.common import REPO, log
 
 STAGES = ("model", "regenerate", "prepare", "extract", "verify", "train", "eval")
-# about what each takes on one H200 with params.gpu.yaml (docs/BENCHMARKS.md, the run planned): a stage is started
-# only with this much of the deadline left; smoke (CPU default, 2 cores): seconds to minutes, never refused
-# (model..verify as measured on the H200, 2026-12-03; train and eval estimates)
+# about what each takes on one H200 with params.gpu.yaml (docs/BENCHMARKS.md "The whole pipeline on one H200"): a
+# stage is started only with this much of the deadline left; smoke (CPU default, 2 cores): seconds to minutes, never
+# refused (model..verify as measured on the H200, 2026-12-03; train and eval estimates)
 EXPECTED_S = {"model": 150, "regenerate": 90, "prepare": 15, "extract": 80, "verify": 30, "train": 180, "eval": 330}
 TIMINGS = "pipeline_timings.json"
 COPIED = ("dvc.yaml", "pipeline", "data", "bin")
@@ -82,8 +82,8 @@ def is_up_to_date(proj: Path, stage: str, work: Path) -> bool:
 
 
 def collect(proj: Path, out: Path) -> None:
-    """One archive, $OUT/pipeline.tar.gz: the device tool brings back only a few files a call (the first run
-    lost metrics/train.json and reports/ to that limit when they were copied one by one)."""
+    """One archive, $OUT/pipeline.tar.gz: the GPU host returns only a few files per command, so metrics/ and
+    reports/ copied one by one could be left behind."""
     with tarfile.open(out / "pipeline.tar.gz", "w:gz") as tar:
         for name in ("dvc.lock", "params.yaml", TIMINGS, "metrics", "reports"):
             if (proj / name).exists():

@@ -1,4 +1,4 @@
-"""bench job seed (issue 28): the seed's shape (Kimi-K2.5 width, INT4 routed experts, a short depth) end to end.
+"""bench job seed: the seed's shape (Kimi-K2.5 width, INT4 routed experts, a short depth) end to end.
 
 Steps (parent.Bench.run_seed): build:seed (pipeline.embedded.seed_shape on the GPU, written shard by shard)
 -> plan:seed (`make plan`'s projection for the same params, made before anything is measured) ->

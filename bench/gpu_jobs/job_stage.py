@@ -27,7 +27,7 @@ def job_tune(state: dict, name: str) -> dict:
 
     The first run is an ordinary `extract.run` (it starts the engine, with the default number of
     shard threads); later runs get the same engine back from `HiddenStatesEngine(...)` and only
-    change what is named: the shard-thread count, or the extract stage as committed before.
+    change what is named: the shard-thread count, or an older extract stage file (`--baseline`).
     """
     from pipeline.extraction import vllm_compat
 

@@ -109,7 +109,7 @@ def job_verify(state: dict, name: str) -> dict:
         return r
 
     verify.check_structure_and_values = struct
-    # the seed (issue 28): the streamed reference under a budget below the model's size; GPU peaks of the
+    # the seed: the streamed reference under a budget below the model's size; GPU peaks of the
     # reference alone, of the per-sample tests' fit and of the shard scan, and of the whole process
     budget = {"reference_memory_gib": state[f"reference_gib_{name}"]} if state.get(f"reference_gib_{name}") else {}
     peaks = Peaks()

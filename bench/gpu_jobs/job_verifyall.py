@@ -25,7 +25,7 @@ if SHORT:
     del VERIFY_MODES["default_again"]
 if os.environ.get("VERIFY_EVERY_POSITION") == "1":  # check 4 on every masked position (the default: a seeded 2,048)
     VERIFY_MODES["every_position"] = {"final_state_positions_per_shard": None}
-if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full (session 2's verify)
+if os.environ.get("VERIFY_READ_ALL") == "1":  # every shard re-hashed and read in full
     VERIFY_MODES["read_all"] = {"hash_all_shards": True, "audit_fraction": 1.0, "final_state_positions_per_shard": None}
 for stride in filter(None, os.environ.get("VERIFY_SAMPLE_STRIDES", "").split(",")):  # the per-sample tests' cost per judged byte
     VERIFY_MODES[f"sample_stride_{stride}"] = {"sample_stride": int(stride)}
@@ -44,7 +44,7 @@ if os.environ.get("VERIFY_TORCH_THREADS"):  # torch's intra-op threads (CPU ops 
     VERIFY_MODES[f"torch_threads_{os.environ['VERIFY_TORCH_THREADS']}"] = {"_torch_threads": int(os.environ["VERIFY_TORCH_THREADS"])}
 # any other modes, as JSON {"name": {verify param: value}}, e.g. '{"check4_256": {"final_state_positions_per_shard": 256}}'
 VERIFY_MODES.update(json.loads(os.environ.get("VERIFY_EXTRA_MODES", "{}")))
-if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference (issue 24) under a budget below the model's size
+if os.environ.get("VERIFY_STREAMED_GIB"):  # the streamed reference under a budget below the model's size
     VERIFY_MODES["streamed"] = {"reference_memory_gib": float(os.environ["VERIFY_STREAMED_GIB"])}
 
 
@@ -59,8 +59,8 @@ COLD_PROCESS = (
 
 def gpu_memory_used_gib() -> float | None:
     """GPU memory in use on the machine (every process's), from nvidia-smi: a cold process is compared with another only
-    where it had the GPU as free (session 16's later cold runs had ~29 GB free, streamed their reference, and were
-    slower for it)."""
+    where it had the GPU as free (a cold run that finds only ~29 GB free streams its reference, and is slower for
+    it)."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30)
@@ -110,7 +110,7 @@ def run_cold_process(proj: Path, code: str, code_dir: str | None = None, extra_e
 
 
 def py_spy() -> str | None:
-    """py-spy's binary, carried as its wheel (.gpucarry/whl, unpacked into /tmp/site) or on PATH."""
+    """py-spy's binary: on PATH, or its manylinux wheel's contents unzipped into /tmp/site (no pack carries it)."""
     import glob
     import shutil
 
@@ -126,7 +126,7 @@ def profiled_cold_process(proj: Path, out: Path) -> dict:
     scan's threads spend the wall, as collapsed stacks (out/verify_pyspy.txt; `bench/pyspy_summary.py` reads it)."""
     binary = py_spy()
     if binary is None:
-        return {"skipped": "no py-spy (carry its wheel in .gpucarry/whl)"}
+        return {"skipped": "no py-spy (unzip its manylinux wheel into /tmp/site)"}
     target = out / "verify_pyspy.txt"
     # VERIFY_PYSPY=gil: only samples of threads holding the GIL (how much of the wall one interpreter lock holds)
     which = ["--gil"] if os.environ.get("VERIFY_PYSPY") == "gil" else ["--idle"]
@@ -294,8 +294,8 @@ def watch_fit_memory(timings: dict) -> None:
 
 def job_verify_all(state: dict, name: str) -> dict:
     """The verify stage on every shard of the stage's extraction, in a fresh interpreter and then
-    in each of VERIFY_MODES, timed against that extraction (issue 4's budget: verify <= 5% of
-    extraction time)."""
+    in each of VERIFY_MODES, timed against that extraction (the budget: verify's data pass <= 5% of
+    the extraction's data time)."""
     from pipeline import layout
     from pipeline.stages import verify
 
@@ -313,7 +313,8 @@ def job_verify_all(state: dict, name: str) -> dict:
 
         setattr(verify, fn, timed)
     extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
-    # the extraction's data time, from the engine ready to the last shard written (what BENCHMARKS divides by)
+    # the extraction's data time, from the engine ready to the last shard written (what docs/BENCHMARKS.md
+    # "Verify's cost" divides by)
     extract_run_s = state.get(f"data_s_{name}") or extract["wall_s"] - extract.get("engine_load_s", 0)
     summary = {
         "extract_wall_s": extract["wall_s"],

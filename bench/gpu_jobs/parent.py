@@ -285,7 +285,7 @@ class Bench:
         return True
 
     def run_parallel(self, jobs: list[str]) -> None:
-        """Issue 10's jobs: tp (TP=1 vs TP=2), moe_tp (MoE at TP=2, with and without expert
+        """The multi-GPU jobs: tp (TP=1 vs TP=2), moe_tp (MoE at TP=2, with and without expert
         parallelism), ray (2 replicas of TP=1): stages first, then verify and compare side by side."""
         smoke = self.args.smoke
         fast = 10 if smoke else None  # smoke: every step takes seconds
@@ -342,7 +342,7 @@ class Bench:
                 self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
 
     def run_seed(self) -> None:
-        """Issue 28: the seed's shape built on the GPU, extracted, prefilled plainly, verified under a
+        """The seed's shape built on the GPU, extracted, prefilled plainly, verified under a
         budget below its size, and planned; bad params fail here, before any child touches the GPU."""
         from gpu_jobs.common import SEED_REFERENCE_GIB, layer_ids_of
         from gpu_jobs.job_seed import seed_figures, smoke_budget_gib
@@ -375,7 +375,7 @@ class Bench:
         self.save()
 
     def run_peer(self) -> None:
-        """Issue 29: our stage, plain prefill and our verify on the peer workload, then speculators' data generation
+        """The peer job: our stage, plain prefill and our verify on the peer workload, then speculators' data generation
         on the same prompts and engine settings (gpu_jobs/job_peer.py)."""
         from pipeline import layout
 

@@ -67,7 +67,7 @@ def summarize(results: dict) -> dict:
     if stage.get("stage_tok_s") and base.get("stage_tok_s"):
         out["stage_over_baseline"] = round(stage["stage_tok_s"] / base["stage_tok_s"], 4)
     out["matmul_tflops"] = peak
-    for job, r in jobs.items():  # DVC's own cost (issue 20, job_dvc.py): the headline numbers
+    for job, r in jobs.items():  # DVC's own cost (job_dvc.py): the headline numbers
         if job.startswith("dvccost:") and (c := (r.get("summary") or {}).get("dvc_cost")):
             keys = ("cache_type", "bytes", "files", "stage_alone", "dvc_commit_s", "dvc_before_cmd_s", "dvc_after_cmd_s", "dvc_overhead_s", "repro_over_stage",
                     "repro_over_stage_measured", "repro_same_bytes", "dvc_push_s", "dvc_pull_s", "skipped")
@@ -78,7 +78,7 @@ def summarize(results: dict) -> dict:
 
 
 def summarize_parallel(jobs: dict) -> dict:
-    """Issue 10: per run tok/s, load and wall; scaling efficiency against the TP=1 run (tok/s over
+    """Multi-GPU runs: per run tok/s, load and wall; scaling efficiency against the TP=1 run (tok/s over
     2 x TP=1's); per layer agreement with the base run (rel. RMS error, cosine mean/min); verify."""
 
     def run_row(run: str) -> dict | None:

@@ -1,4 +1,4 @@
-"""The seed's shape as a target one GPU can hold (issue 28): Kimi-K2.5's config (examples/kimi-k2.5-config.json)
+"""The seed's shape as a target one GPU can hold: Kimi-K2.5's config (examples/kimi-k2.5-config.json)
 at a small depth, random weights, routed experts in compressed-tensors pack-quantized W4A16 (group 32,
 as vLLM reads Kimi-K2.5 INT4), everything else in bf16.
 

@@ -2,9 +2,9 @@
 
 Throughput: one thread keeps the engine fed (requests added as others finish, so the GPU never
 waits on the host and no batch ends part-empty) while a pool of threads, one per core, waits for
-vLLM's per-request files, checks them and writes the shards (each thread reads, checks, writes
-and hashes only ~0.2 GB/s on the H200 host; docs/BENCHMARKS.md). `metrics/extract.json` splits
-the time between them (`time_s`).
+vLLM's per-request files, checks them and writes the shards (16 threads write at the disk's own
+rate on a 16-core H100 host, one thread at about half of it: docs/BENCHMARKS.md, "Shard writing
+against the disk"). `metrics/extract.json` splits the time between them (`time_s`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,9 @@ from pipeline.params import ExtractParams
 from pipeline.progress import progress
 from pipeline.target import Target
 
-# Shard threads: one per core up to this cap. Measured on the H200 host (16 cores, Llama-8B
-# shape, 43.6k tok/s = 1.43 GB/s of hidden states): each thread writes + hashes ~0.2 GB/s there,
-# so 8 threads held the engine back (32.1k tok/s until all shards written) and 16 kept up
-# (40.2k tok/s, the engine at the plain-prefill rate). docs/BENCHMARKS.md has the runs.
+# Shard threads: one per core up to this cap. Each thread reads vLLM's files, checks and writes;
+# on a 16-core host 16 of them keep the disk at its own rate (docs/BENCHMARKS.md, "Shard writing
+# against the disk"), where the 8B shape at plain prefill's rate needs 1.43 GB/s.
 MAX_SHARD_WORKERS = 32
 POLL_S = 0.002
 
@@ -131,7 +130,7 @@ def collect_shard(
 def start_engine(
     params: ExtractParams, target: Target, layer_ids: list[int], max_model_len: int, scratch: Path, **engine_extra
 ) -> vllm_compat.HiddenStatesEngine:
-    """The one vLLM engine of a local run, or of one Ray replica (pipeline/ray_extract.py): same args."""
+    """The one vLLM engine of a local run, or of one Ray replica (pipeline/extraction/ray.py): same args."""
     return vllm_compat.HiddenStatesEngine(
         cpu_kvcache_gib=params.cpu_kvcache_gib,
         model=target.path,

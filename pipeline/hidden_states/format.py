@@ -15,20 +15,21 @@ convention) so stale shards are never mixed into a resumed run.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import struct
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from pipeline.atomic import atomic_path, atomic_write_text
 from pipeline.hidden_states import stats as shard_stats
-from pipeline.target import sha256_file
 
 FORMAT_NAME = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 1
@@ -57,7 +58,11 @@ def manifest_path(shard_path: Path) -> Path:
 
 
 def write_shard(directory: Path, index: int, samples: list[Sample], manifest_extra: dict) -> dict:
-    """Write one shard and then its manifest, each atomically; return the manifest."""
+    """Write one shard and then its manifest, each atomically; return the manifest.
+
+    The shard's size and SHA-256 come from the bytes as they are written (`write_safetensors`):
+    nothing is read back.
+    """
     path = Path(directory) / shard_name(index)
     tensors: dict[str, torch.Tensor] = {}
     for s in samples:
@@ -66,15 +71,14 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
         tensors[f"{s.sample_id}/loss_mask"] = s.loss_mask.to(torch.uint8).contiguous()
     header = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "shard_index": str(index)}
     with atomic_path(path) as tmp:
-        save_file(tensors, tmp, metadata=header)
-        canonical_header(tmp)
+        size, sha256 = write_safetensors(tmp, tensors, header)
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,
         "shard_index": index,
         "file": path.name,
-        "bytes": path.stat().st_size,
-        "sha256": sha256_file(path),
+        "bytes": size,
+        "sha256": sha256,
         "sample_ids": [s.sample_id for s in samples],
         "num_tokens": [int(s.input_ids.numel()) for s in samples],
         # recorded from the tensors just written: verify judges these and re-derives them from
@@ -92,25 +96,69 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
     return manifest
 
 
-def canonical_header(path: Path) -> None:
-    """Sort the safetensors header's `__metadata__` keys, in place.
+# safetensors' dtype names, in the order its writer lays tensors out (then by name): the order of
+# its Rust `Dtype` enum, descending
+SAFETENSORS_LAYOUT_ORDER = {
+    torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
+    torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+WRITE_BLOCK = 64 << 20
 
-    safetensors writes `__metadata__` from a Rust HashMap, whose key order is random per process:
-    the same shard written by two processes (a re-run, another Ray replica) had different bytes and
-    hashes. Rewritten sorted, same length (compact JSON, as safetensors writes it; padded with
-    spaces, which the format allows), the same samples give the same file.
+
+def safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[torch.Tensor]]:
+    """The 8-byte length and JSON header of the safetensors file holding `tensors`, and the
+    tensors in the order their bytes follow it.
+
+    The layout is safetensors' own (tensors by dtype, then name; header padded with spaces to 8
+    bytes) with `__metadata__`'s keys sorted: safetensors writes those from a Rust HashMap, in a
+    per-process random order, so the same samples would give other bytes in another process
+    (tests/test_shard_writer.py holds the two layouts equal).
     """
-    with open(path, "r+b") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-        if "__metadata__" not in header:
-            return
-        meta = dict(sorted(header.pop("__metadata__").items()))
-        new = json.dumps({"__metadata__": meta, **header}, separators=(",", ":"), ensure_ascii=False).encode()
-        if len(new) > n:
-            raise RuntimeError(f"{path}: canonical safetensors header is {len(new)} bytes, more than the {n} written")
-        f.seek(8)
-        f.write(new.ljust(n, b" "))
+    rank = {dtype: i for i, dtype in enumerate(SAFETENSORS_LAYOUT_ORDER)}
+    order = sorted(tensors, key=lambda name: (rank[tensors[name].dtype], name))
+    header: dict = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    offset = 0
+    for name in order:
+        t = tensors[name]
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": SAFETENSORS_LAYOUT_ORDER[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text = text.ljust(-(-len(text) // 8) * 8, b" ")
+    return struct.pack("<Q", len(text)) + text, [tensors[name] for name in order]
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
+    """Write `tensors` to `path` as safetensors from the tensors' own memory (no serialized copy);
+    return the file's size and the SHA-256 of the bytes written, hashed from memory by a second
+    thread while this one writes. The caller fsyncs (`atomic_path`).
+
+    Each block's write-back to the disk starts as soon as it is written (POSIX_FADV_DONTNEED starts
+    it for dirty pages), so the caller's fsync waits for the last blocks only, not the whole file.
+    """
+    head, ordered = safetensors_layout(tensors, metadata)
+    blocks = [memoryview(head)]
+    for t in ordered:
+        data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
+        blocks += [data[lo : lo + WRITE_BLOCK] for lo in range(0, len(data), WRITE_BLOCK)]
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher, open(path, "wb", buffering=0) as f:
+        digest = hasher.submit(_sha256, blocks)
+        size = 0
+        for block in blocks:
+            left = block
+            while left:  # a raw write may take less than it was given
+                left = left[f.write(left) :]
+            os.posix_fadvise(f.fileno(), size, len(block), os.POSIX_FADV_DONTNEED)
+            size += len(block)
+        return size, digest.result()
+
+
+def _sha256(blocks: list[memoryview]) -> str:
+    h = hashlib.sha256()
+    for block in blocks:
+        h.update(block)
+    return h.hexdigest()
 
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}

@@ -8,7 +8,7 @@ import torch
 from pipeline.hidden_states.format import SAFETENSORS_DTYPES
 from pipeline.verification.host_staging import StagingBuffer
 
-# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/shard_stats.py)
+# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/hidden_states/stats.py)
 _NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8}
 
 

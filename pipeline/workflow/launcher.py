@@ -26,7 +26,7 @@ from pathlib import Path
 from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.params import Params, RuntimeParams
-from pipeline.workflow.output_guard import output_locks, prune_partials, resumable_outputs
+from pipeline.workflow.output_guard import output_locks, resumable_outputs, tidy_left_behind
 
 IN_CONTAINER = "EAGLE3_IN_CONTAINER"
 IMAGE_REPO = "eagle3-pipeline"
@@ -49,8 +49,29 @@ PASS_ENV = (
     "TRANSFORMERS_OFFLINE",
 )
 PASS_ENV_PREFIXES = ("VLLM_", "NCCL_")
-# stage -> outputs a killed run resumes from (pipeline/workflow/output_guard.py)
-RESUMABLE: dict[str, tuple[Path, ...]] = {"extract": (layout.HIDDEN_STATES_DIR,), "regenerate": (layout.REGENERATED_DIR,)}
+# stage -> outputs a killed run resumes from (pipeline/workflow/output_guard.py): none is `persist: true`
+# in dvc.yaml, so that DVC's run-cache can restore every stage
+RESUMABLE: dict[str, tuple[Path, ...]] = {
+    "extract": (layout.HIDDEN_STATES_DIR,),
+    "regenerate": (layout.REGENERATED_DIR,),
+    "train": (layout.DRAFT_DIR,),  # its epoch checkpoints
+}
+
+
+def resumable(stage: str, params: Params, environ: Mapping[str, str]) -> tuple[Path, ...]:
+    """The outputs this run of `stage` keeps work of: on several training nodes only node 0's, which alone
+    writes the draft (pipeline/stages/train.py); the others' runs leave it to node 0."""
+    if stage == "train" and params.train.nnodes > 1:
+        rank = params.train.node_rank if params.train.node_rank is not None else environ.get("NODE_RANK")
+        if str(rank).strip() != "0":
+            return ()
+    return RESUMABLE.get(stage, ())
+
+
+def tidy_other_stages(stage: str | None = None) -> None:
+    """Tidy what killed runs left beside the resumable outputs of every stage but `stage`
+    (pipeline/workflow/output_guard.py: a run-cache restore runs nothing that could)."""
+    tidy_left_behind([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
 
 
 @dataclass(frozen=True)
@@ -206,8 +227,9 @@ def launch(stage: str, params: Params, params_file: Path, run_native) -> None:
     image = built_image(params, host.repo) if docker else ""
     argv = launch_argv(stage, params, params_file, host, image, mounts)
     if argv is None:
-        with output_locks(stage, RESUMABLE.get(stage, ())), resumable_outputs(RESUMABLE.get(stage, ())):
-            prune_partials([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
+        outs = resumable(stage, params, host.environ)
+        with output_locks(stage, outs), resumable_outputs(outs):
+            tidy_other_stages(stage)
             run_native()
         return
     check_image(params, image)

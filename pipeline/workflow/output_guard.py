@@ -1,21 +1,29 @@
 """What keeps a stage's outputs safe from a kill and from a second run: the kept work, the lock.
 
-Resumable outputs: a DVC stage with a `persist: true` output is never saved to the run-cache, and
-the run-cache is what lets a teammate's `dvc repro --pull` restore an extraction already run. So
-extract's output is not persisted, and DVC deletes it before it runs the stage (or restores it from
-the run-cache). What the stage has finished must outlive that deletion, yet nothing DVC does not
-know may stand at the output path when DVC checks a cached result out there (it would refuse to
-remove it "without a confirmation", and the user would be stuck). So the output is a plain
-directory while the stage writes it, and the launcher keeps a hard link to each of its files in
-`artifacts/.partial/<name>` (`OutputMirror`, at most a quarter second behind). After a kill, even kill -9,
-`dvc repro` deletes the output and either runs the stage (the links kept the work: the launcher
-puts it back, and the stage keeps its complete shards of the same run key) or checks the cached
-result out in its place; typed again, the command always recovers. Links that a complete output makes redundant are
-dropped by the next stage run through the launcher (`prune_partials`).
+Resumable outputs (extract's shards, regenerate's rewritten data, train's epoch checkpoints): a DVC
+stage with a `persist: true` output is never saved to the run-cache, and the run-cache is what
+restores a result already computed (a param changed and changed back, `dvc exp run` of an
+experiment already run, a teammate's `dvc repro --pull`). So no output is persisted, and DVC deletes
+each before it runs the stage (or restores it from the run-cache). What the stage has finished must
+outlive that deletion, yet nothing DVC does not know may stand at the output path when DVC checks a
+cached result out there (it would refuse to remove it "without a confirmation", and the user would
+be stuck). So the output is a plain directory while the stage writes it, and the launcher keeps a
+hard link to each of its files (in its subfolders too) in `artifacts/.partial/<name>`
+(`OutputMirror`, at most a quarter second behind). After a kill, even kill -9, `dvc repro` deletes the
+output and either runs the stage (the links kept the work: the launcher puts it back, and the stage
+keeps what it finished under the same run key: shards, complete epochs) or checks the cached result
+out in its place; typed again, the command always recovers. A run that succeeds drops its links.
+
+What a killed run leaves beside a result DVC then restored (its links, vLLM's scratch folder, the
+lock file) is tidied by the next run of any stage, the check stage included (`tidy_left_behind`): a
+run-cache restore runs no command of ours, so nothing can tidy at that moment. Links that still
+share their files with the output are a killed run's work, which `dvc repro` may yet resume: they stay.
 
 Concurrent runs: before touching a resumable output the launcher takes an exclusive flock on
 `<output>.lock` beside it (`output_locks`); a second run of the stage on the same output is refused
-with a PipelineError naming the lock and its holder (docs/RELIABILITY.md).
+with a PipelineError naming the lock and its holder (docs/RELIABILITY.md). The holder removes the
+file when it ends; one a kill left behind is never stale (the kernel dropped the flock) and is
+removed by the next tidy.
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from pipeline import layout
-from pipeline.atomic import TMP_MARK, is_temp, remove_stale_temps
+from pipeline.atomic import TMP_MARK, is_temp
 from pipeline.errors import PipelineError
 
 PARTIAL_DIR = layout.ARTIFACTS / ".partial"
@@ -47,30 +55,42 @@ def output_locks(stage: str, outs: Sequence[Path]) -> Iterator[None]:
 
     Taken before anything in the output is touched, so a second concurrent run of the stage on
     the same output fails with a clear message instead of interleaving. The kernel drops the lock
-    when the holder exits, even on kill -9: a lock file left on disk is never stale.
+    when the holder exits, even on kill -9: a lock file left on disk is never stale. The holder
+    deletes the file when it is done; a run that opened the file just before that deletion finds
+    the name gone or another file's and opens it again, so two runs never hold two files of one name.
     """
-    fds: list[int] = []
+    held: list[tuple[Path, int]] = []
     try:
         for out in outs:
             lock = lock_path(out)
             lock.parent.mkdir(parents=True, exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                raise PipelineError(
-                    f"another {stage} run is writing {out}: it holds the lock {lock} (holder: {holder}). "
-                    f"Wait for it to finish (or stop that process) and re-run; two runs on one output would "
-                    f"interleave. The lock frees itself when the holder exits, even if it is killed."
-                ) from None
-            fds.append(fd)
+            while True:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:
+                    holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
+                    os.close(fd)
+                    raise PipelineError(
+                        f"another {stage} run is writing {out}: it holds the lock {lock} (holder: {holder}). "
+                        f"Wait for it to finish (or stop that process) and re-run; two runs on one output would "
+                        f"interleave. The lock frees itself when the holder exits, even if it is killed."
+                    ) from None
+                try:
+                    same = os.stat(lock).st_ino == os.fstat(fd).st_ino
+                except FileNotFoundError:
+                    same = False
+                if same:
+                    break
+                os.close(fd)  # its holder deleted it as we opened it: take the file now at that name
+            held.append((lock, fd))
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
         yield
     finally:
-        for fd in fds:
+        for lock, fd in held:
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
             os.close(fd)  # releases the flock
 
 
@@ -78,12 +98,42 @@ def partial_path(out: Path) -> Path:
     return PARTIAL_DIR / out.relative_to(layout.ARTIFACTS)
 
 
-class OutputMirror:
-    """Keeps `work` a directory of hard links to the files of `out` (flat: the resumable outputs
-    hold files only), synced every `interval` seconds by a daemon thread and on `stop()`.
+def _files(root: Path) -> dict[str, int]:
+    """Relative path -> inode of the finished regular files under `root` (symlinks and writes in progress left out)."""
+    found: dict[str, int] = {}
+    stack = [""]
+    while stack:
+        rel = stack.pop()
+        try:
+            it = os.scandir(root / rel)
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        with it:
+            for e in it:
+                if is_temp(e.name):
+                    continue
+                name = f"{rel}/{e.name}" if rel else e.name
+                with contextlib.suppress(FileNotFoundError):
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(name)
+                    elif e.is_file(follow_symlinks=False):
+                        found[name] = e.inode()
+    return found
 
-    Files still being written (`.tmp-` names, see pipeline/atomic.py) are left out; a file the
-    stage replaced (a new inode) is linked again; one it deleted is dropped from `work`."""
+
+def _remove_empty_dirs(root: Path) -> None:
+    for d in sorted((p for p in root.rglob("*") if p.is_dir() and not p.is_symlink()), key=lambda p: -len(p.parts)):
+        with contextlib.suppress(OSError):  # not empty
+            d.rmdir()
+
+
+class OutputMirror:
+    """Keeps `work` a tree of hard links to the files of `out` (its subfolders too), synced every
+    `interval` seconds by a daemon thread and on `stop()`.
+
+    Files still being written (`.tmp-` names and safetensors' temporaries, see pipeline/atomic.py)
+    and symlinks are left out; a file the stage replaced (a new inode) is linked again; one it
+    deleted (or a folder it deleted, e.g. a checkpoint of another run key) is dropped from `work`."""
 
     def __init__(self, out: Path, work: Path, interval: float = 0.25) -> None:
         self.out, self.work, self.interval = out, work, interval
@@ -109,25 +159,31 @@ class OutputMirror:
         if not self.out.is_dir():
             return
         self.work.mkdir(parents=True, exist_ok=True)
-        current = {}
-        with os.scandir(self.out) as it:
-            for e in it:
-                if not is_temp(e.name) and e.is_file(follow_symlinks=False):
-                    with contextlib.suppress(FileNotFoundError):
-                        current[e.name] = e.inode()
-        linked = {e.name: e.inode() for e in os.scandir(self.work) if not is_temp(e.name)}
+        current = _files(self.out)
+        linked = _files(self.work)
         for name in linked.keys() - current.keys():
             (self.work / name).unlink(missing_ok=True)
         for name, ino in current.items():
             if linked.get(name) == ino:
                 continue
-            tmp = self.work / f"{name}{TMP_MARK}link"
+            dst = self.work / name
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            tmp = dst.parent / f"{dst.name}{TMP_MARK}link"
             tmp.unlink(missing_ok=True)
             try:
                 os.link(self.out / name, tmp)
             except FileNotFoundError:  # deleted by the stage since the listing
                 continue
-            os.replace(tmp, self.work / name)
+            os.replace(tmp, dst)
+        if linked.keys() - current.keys():
+            _remove_empty_dirs(self.work)
+
+
+def _remove_temps(root: Path) -> None:
+    """An interrupted link (`<name>.tmp-link`) anywhere under `root`."""
+    for p in list(root.rglob(f"*{TMP_MARK}*")):
+        if is_temp(p.name) and not p.is_dir():
+            p.unlink(missing_ok=True)
 
 
 def _take_back(out: Path, work: Path) -> None:
@@ -142,7 +198,7 @@ def _take_back(out: Path, work: Path) -> None:
         if work.exists():
             shutil.rmtree(work)
     elif work.is_dir():
-        remove_stale_temps(work)  # an interrupted link
+        _remove_temps(work)  # an interrupted link
         out.parent.mkdir(parents=True, exist_ok=True)
         os.replace(work, out)
     out.mkdir(parents=True, exist_ok=True)
@@ -178,18 +234,28 @@ def resumable_outputs(outs: Sequence[Path]) -> Iterator[None]:
     _drop_empty_partial_dir()
 
 
-def prune_partials(outs: Sequence[Path]) -> None:
-    """Drop the kept links of each of `outs` that no longer link its files: DVC checked the cached
-    result out over a killed run's work, so they only hold the disk. Links that still share their
-    files with the output are a killed run's work, which `dvc repro` may yet delete: they stay."""
+def scratch_path(out: Path) -> Path:
+    """Where the stage writing `out` keeps its scratch files, beside it (vLLM's per-request files for extract)."""
+    return out.parent / f"{out.name}.scratch"
+
+
+def tidy_left_behind(outs: Sequence[Path]) -> None:
+    """What killed runs left beside each of `outs` and nothing will use: vLLM's scratch folder, the
+    lock file, and the kept links once they no longer link the output's files (DVC restored the
+    cached result over a killed run's work). Links that still share their files with the output are
+    a killed run's work, which `dvc repro` may yet resume (or delete and restore over): they stay.
+    An output whose stage is running (its lock is held) is left alone."""
     for out in outs:
-        work = partial_path(out)
-        if not work.is_dir() or out.is_symlink() or not out.is_dir():
+        work, scratch, lock = partial_path(out), scratch_path(out), lock_path(out)
+        if not (work.exists() or scratch.exists() or lock.exists()):
             continue
-        kept = {(e.name, e.inode()) for e in os.scandir(work)}
-        if kept & {(e.name, e.inode()) for e in os.scandir(out)}:
+        try:
+            with output_locks("tidy", [out]):
+                shutil.rmtree(scratch, ignore_errors=True)
+                if work.is_dir() and out.is_dir() and not out.is_symlink():
+                    kept = set(_files(work).items())
+                    if not kept & set(_files(out).items()):
+                        shutil.rmtree(work)
+        except PipelineError:  # its stage is running: leave its files alone
             continue
-        with contextlib.suppress(PipelineError):  # its stage is running: leave its work alone
-            with output_locks("prune", [out]):
-                shutil.rmtree(work)
     _drop_empty_partial_dir()

@@ -2,7 +2,7 @@
 
 DVC 3.67's `push --run-cache` sends the run records (which code, inputs and params gave which
 outputs) but the data of only the outputs in the workspace now. The outputs of a run made before
-params changed again, and the `cache: false` outputs (metrics, reports) of every run, stay behind;
+params changed again, and the `cache: false` metrics and plots of every run, stay behind;
 a teammate's `dvc repro --pull` then finds the record, misses the data ("Some of the cache files
 do not exist neither locally nor on remote") and runs the stage instead of restoring it. This
 pushes that data too (what DVC 2 did), from the local cache to the same remote.

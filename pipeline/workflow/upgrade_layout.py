@@ -16,6 +16,14 @@ stage looks changed and `dvc repro` would re-run them all (extraction included).
    as its value (INLINED) reads as that value. A module's docstring-only __init__.py, gained or lost by a folder
    dep, changes nothing.
 
+The same command carries a project across the outputs made restorable from DVC's run-cache (train's
+`artifacts/draft` no longer `persist: true`, verify's `reports/verify` and eval's `reports/eval.md` in DVC's cache
+instead of `cache: false`): for DVC such a report is "not in cache", though it is the very file dvc.lock recorded, so
+a stage whose only other change is that (and the moved code, as above) is re-recorded too, which puts the report in
+the cache. A finished project's stages never entered the run-cache (DVC kept none for them), so every stage up to
+date is re-recorded as well: `dvc commit -f` saves the run of the lock's inputs and outputs there, and a param
+changed and changed back afterwards restores the finished results instead of running them.
+
 Everything else is reported and left to `dvc repro`. `--dry-run` says what it would do and commits nothing.
 """
 
@@ -315,14 +323,36 @@ def _is_code(path: str) -> bool:
     return path == "pipeline" or path.startswith("pipeline/")
 
 
+def cached_outs(spec: dict) -> set[str]:
+    """The outputs of a dvc.yaml stage that DVC keeps in its cache (outs, metrics or plots without `cache: false`)."""
+    found = set()
+    for kind in ("outs", "metrics", "plots"):
+        for o in spec.get(kind, []):
+            path, opts = (o, {}) if isinstance(o, str) else next(iter(o.items()))
+            if (opts or {}).get("cache", True):
+                found.add(path)
+    return found
+
+
 def stage_verdict(root: Path, git: _Git, name: str, lock: dict, spec: dict, status: list) -> str | None:
-    """None when the stage's only change is the layout move, else why it is left to `dvc repro`."""
+    """None when the stage's only changes are the layout move and outputs now cached, else why it is left to
+    `dvc repro`."""
+    code_changed = False
     for entry in status:
+        if isinstance(entry, dict) and set(entry) == {"changed outs"}:
+            # "not in cache": the file is the one dvc.lock recorded, only DVC's cache lacks it
+            others = sorted(o for o, why in entry["changed outs"].items() if why != "not in cache" or o not in cached_outs(spec))
+            if others:
+                return f"changed outputs: {', '.join(others)}"
+            continue
         if not isinstance(entry, dict) or set(entry) != {"changed deps"}:
             return f"not only its code changed: {entry}"
         others = sorted(d for d in entry["changed deps"] if not _is_code(d))
         if others:
             return f"changed deps besides its code: {', '.join(others)}"
+        code_changed = True
+    if not code_changed:
+        return None
     old: dict[str, bytes] = {}
     for dep in lock.get("deps", []):
         path, digest = dep["path"], dep.get("md5")
@@ -372,7 +402,8 @@ def stage_verdict(root: Path, git: _Git, name: str, lock: dict, spec: dict, stat
 
 
 def upgrade(root: Path = Path("."), dry_run: bool = False, echo=print) -> list[str]:
-    """Re-record (`dvc commit -f`) the stages the layout move alone changed; returns their names."""
+    """Re-record (`dvc commit -f`) the stages the layout move and the newly cached outputs alone changed, and the
+    stages up to date (into the run-cache); returns their names."""
     import yaml
 
     lock_file = root / "dvc.lock"
@@ -385,9 +416,11 @@ def upgrade(root: Path = Path("."), dry_run: bool = False, echo=print) -> list[s
         raise PipelineError(f"`dvc status` failed: {proc.stderr.strip()}")
     status = json.loads(proc.stdout or "{}")
     git = _Git(root)
-    commit, left = [], {}
+    commit, left, current = [], {}, []
     for name in stages:
         if name not in status:
+            if name in locked:
+                current.append(name)
             continue
         if name not in locked:
             left[name] = "never run"
@@ -398,11 +431,13 @@ def upgrade(root: Path = Path("."), dry_run: bool = False, echo=print) -> list[s
         else:
             left[name] = why
     for name in commit:
-        echo(f"{name}: only moved code: re-recorded, not re-run")
+        what = " and ".join(w for w, hit in (("only moved code", any("changed deps" in e for e in status[name])),
+                                                ("outputs now cached", any("changed outs" in e for e in status[name]))) if hit)
+        echo(f"{name}: {what}: re-recorded, not re-run")
+    for name in current:
+        echo(f"{name}: up to date: re-recorded into the run-cache, not re-run")
     for name, why in left.items():
         echo(f"{name}: left to `dvc repro` ({why})")
-    if not commit and not left:
-        echo("every stage is up to date: nothing to upgrade")
-    if commit and not dry_run:
-        subprocess.run(["dvc", "commit", "-f", *commit], cwd=root, check=True)
-    return commit
+    if not dry_run and (commit or current):
+        subprocess.run(["dvc", "commit", "-f", *commit, *current], cwd=root, check=True)
+    return commit + current

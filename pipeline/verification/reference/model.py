@@ -185,7 +185,7 @@ def load_references(path: Path, captured_dtype: str, trust_remote_code: bool = F
     """Load what verify compares against, reading the checkpoint once where that is exact.
 
     A checkpoint stored in the capture's dtype (a bf16 model extracted in bf16, the usual case) is
-    loaded once, in that dtype, built directly as the issue asks; the fp32 reference is then its
+    loaded once, in that dtype, built directly (never cast from fp32); the fp32 reference is then its
     parameters upcast on the device, which is exactly what loading the checkpoint in fp32 gives
     (a bf16 -> fp32 cast is lossless; buffers computed at init, e.g. RoPE's inv_freq, must already
     be fp32 in the low-precision model, and are copied). Otherwise the two are loaded separately.
