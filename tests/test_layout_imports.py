@@ -118,7 +118,7 @@ PACKAGES = [
 # The entry, above everything; nothing imports it.
 ENTRY = {"pipeline.__main__", "pipeline.cli"}
 # The base at pipeline/'s top: every package may import it, and it imports nothing but itself.
-BASE = {"pipeline.params", "pipeline.layout", "pipeline.errors", "pipeline.atomic", "pipeline.progress",
+BASE = {"pipeline.params", "pipeline.layout", "pipeline.errors", "pipeline.atomic", "pipeline.progress", "pipeline.console",
         "pipeline.target", "pipeline.chat_data", "pipeline.int4"}
 
 
@@ -221,6 +221,7 @@ PLUMBING = {
     "pipeline.layout": "where outputs live (moving one is a dvc.yaml edit anyway)",
     "pipeline.params": "the params schema: every value a stage reads is a params.yaml key its `params:` list tracks",
     "pipeline.progress": "progress bars",
+    "pipeline.console": "where a stage's lines go: the console or logs/<stage>.log",
     "pipeline.target": "reads target.json (a dep through artifacts/model) and hashes files",
     "pipeline.workflow.invalidation": "the table the `params:` lists follow",
 }
