@@ -11,6 +11,7 @@ which outputs change, so the real repros assert on the stages `Repo.reproduce()`
 """
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -306,3 +307,24 @@ def test_a_second_run_gives_the_same_bytes(project):
     before = {k: v for k, v in before.items() if "metrics/" not in k}
     assert after == before
     assert changed_stages(project) == set()
+
+
+@pytest.mark.slow
+def test_fp8_shards_run_end_to_end(project):
+    """extract.dtype float8_e4m3 on the embedded default: extract stores format version 2, verify passes it with its
+    fp8 tolerances, train reads the fp8 shards themselves and eval measures the draft."""
+    from pipeline.hidden_states import format as shard_format
+
+    set_param(project, "extract", "dtype", "float8_e4m3")
+    assert reproduce(project) == {"check", "extract", "verify", "train", "eval"}
+    hs = project / "artifacts" / "hidden_states"
+    meta = shard_format.read_meta(hs)
+    assert (meta["dtype"], meta["format_version"]) == ("float8_e4m3", 2)
+    assert all(shard_format.read_manifest(p)["format_version"] == 2 for p in shard_format.complete_shards(hs))
+    assert not list(project.glob("artifacts/**/*dequant*")), "no dequantized second copy on disk"
+    verify = json.loads((project / "metrics" / "verify.json").read_text())
+    assert verify["passed"] and verify["dtype"] == "float8_e4m3"
+    assert all("quantization_bound" in row for row in verify["layers"].values())
+    evaluated = json.loads((project / "metrics" / "eval.json").read_text())
+    assert evaluated["tau"] >= 1
+    assert reproduce(project) == set()

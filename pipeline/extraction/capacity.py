@@ -14,13 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-# bytes per stored value; float8_e4m3 adds a 4-byte scale per token and layer (`state_bytes_per_token`)
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3": 1}
+from pipeline.hidden_states.storage import DTYPE_BYTES, state_bytes_per_token  # noqa: F401 (the planner reads them here)
 
-
-def state_bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
-    """Hidden-state bytes per token (docs/FORMAT.md): L x H x dtype size, plus L x 4 for fp8's scales."""
-    return num_layers * hidden * DTYPE_BYTES[dtype] + (4 * num_layers if dtype == "float8_e4m3" else 0)
 IDS_MASK_BYTES = 9  # int64 input id + uint8 loss mask per token (docs/FORMAT.md)
 
 

@@ -42,10 +42,11 @@ from pipeline.atomic import atomic_path, atomic_write_text
 from pipeline.errors import PipelineError
 from pipeline.hidden_states import fp8
 from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.storage import engine_dtype, format_version  # noqa: F401 (the format's API)
 
 FORMAT_NAME = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 2  # the newest this code writes and reads; version 1 (no fp8) is read too and still written
-FP8_FORMAT_VERSION = 2
+FP8_FORMAT_VERSION = format_version(fp8.STORAGE_DTYPE)
 FP8_SUFFIX, SCALE_SUFFIX = "/hidden_states_fp8", "/hidden_states_scale"
 LAYER_ID_CONVENTION = (
     "vllm: id k = hidden state entering decoder layer k (0 = embeddings output); "
@@ -62,16 +63,6 @@ class Sample:
     hidden_states: torch.Tensor  # [T, L, H]; float8_e4m3fn with `scale` (format version 2)
     stats: np.ndarray | None = None  # [L, 4] shard_stats.FIELDS (of the dequantized values); computed on write when None
     scale: torch.Tensor | None = None  # [T, L] float32, with fp8 hidden states only
-
-
-def format_version(dtype: str) -> int:
-    """The format version shards of this extract.dtype are written in: 2 for fp8, else 1 (unchanged bytes)."""
-    return FP8_FORMAT_VERSION if dtype == fp8.STORAGE_DTYPE else 1
-
-
-def engine_dtype(dtype: str) -> str:
-    """The dtype vLLM computes in for this extract.dtype: fp8 is only a storage format (the engine runs bf16)."""
-    return fp8.ENGINE_DTYPE if dtype == fp8.STORAGE_DTYPE else dtype
 
 
 def stored(sample: Sample, dtype: str) -> Sample:

@@ -8,7 +8,8 @@ The error bound (what verify's tolerances are derived from): e4m3 keeps 3 mantis
 rounds with relative error <= 2^-4, and a value below the smallest normal (2^-6 of the scaled range) with
 absolute error <= 2^-10 (half the subnormal step 2^-9), that is
 
-    |x' - x| <= max(2^-4 |x|, 2^-10 scale)   per element  (`error_bound`, from the stored bytes alone)
+    |x' - x| <= max(2^-4 |x|, 2^-10 scale)   per element; `error_bound` takes the exact half step at the stored
+                                            value (2^-5 to 2^-4 of it), from the stored bytes alone
 
 plus the fp32 product's rounding (2^-24 relative). A non-finite value is never hidden: a NaN is stored as NaN (its
 row too where the device's amax propagates NaN), an Inf makes its row's scale Inf and the whole row NaN after
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import torch
 
-STORAGE_DTYPE = "float8_e4m3"  # the extract.dtype value
+from pipeline.hidden_states import storage
+
+STORAGE_DTYPE = storage.FP8  # the extract.dtype value
 TORCH_DTYPE = torch.float8_e4m3fn
 E4M3_MAX = 448.0
 REL_ERROR = 2.0**-4  # round to nearest, 3 mantissa bits
 SUBNORMAL_ABS_ERROR = 2.0**-10  # half the subnormal step, in units of the scale
-# the engine computes in this dtype; fp8 is only how its output is stored
-ENGINE_DTYPE = "bfloat16"
+ENGINE_DTYPE = storage.FP8_ENGINE_DTYPE  # the engine computes in it; fp8 is only how its output is stored
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -47,6 +49,13 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
 
 
 def error_bound(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Per element, the most the dequantized `values` [..., H] can be from what was quantized (see the module's
-    docstring): max(2^-4 |x|, 2^-10 scale) with |x| <= |x'| / (1 - 2^-4), from the stored values alone."""
-    return torch.maximum(values.abs() * (REL_ERROR / (1 - REL_ERROR)), (SUBNORMAL_ABS_ERROR * scale).unsqueeze(-1))
+    """Per element, the most the dequantized `values` [..., H] can be from what was quantized, from the stored
+    values alone: half the e4m3 step at the stored value, 2^(e-4) x scale for a stored q in [2^e, 2^(e+1)) (so
+    between 2^-5 and 2^-4 of |q|: at q = 2^e the neighbour below is nearer, and the step above is the larger),
+    2^-10 x scale for a subnormal or zero q; plus 2^-20 |x'| for the fp32 division (a value a hair past a tie
+    can round to it) and product."""
+    s = scale.unsqueeze(-1)
+    q = values.abs() / s  # exact at powers of two (q x scale is exact there), so the binade below is never taken
+    _, exponent = torch.frexp(q)  # q = m 2^exponent, m in [0.5, 1): q's binade is 2^(exponent - 1)
+    step = torch.where(q >= 2.0**-6, torch.ldexp(torch.ones_like(q), exponent - 5), torch.full_like(q, SUBNORMAL_ABS_ERROR))
+    return step * s + values.abs() * 2.0**-20

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from pipeline.extraction.capacity import state_bytes_per_token
 from pipeline.hidden_states import fp8
+from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import VerifyParams
 from pipeline.verification.reference.model import DTYPES

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
+from pipeline.hidden_states.storage import engine_dtype
 from pipeline.params import VerifyParams
 from pipeline.progress import progress
 from pipeline.verification.reference import agreement
@@ -172,10 +173,11 @@ def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row:
         row["calibration_token_rel_error_max"] = calibration.quantile(1.0)
     row["allowed"] = allowed
     if row["rel_rms_error"] > allowed:
+        quantized = (f" plus the fp8 quantization's bound {row['quantization_bound']:.3g}" if "quantization_bound" in row else "")
         report.fail(
             "reference",
             f"relative error {row['rel_rms_error']:.3g} vs the fp32 reference (pooled over all reference tokens) is over "
-            f"{params.bf16_error_ratio}x that of an independent {dtype} reference ({cal:.3g}); median token error "
+            f"{params.bf16_error_ratio}x that of an independent {engine_dtype(dtype)} reference ({cal:.3g}){quantized}; median token error "
             f"{row['token_rel_error_p50']:.3g} vs {row.get('calibration_token_rel_error_p50', float('nan')):.3g}; "
             f"cosine mean {row['cosine_mean']:.4f}",
             layer=lid,
