@@ -244,17 +244,14 @@ def test_a_bf16_shard_in_an_fp8_run_is_caught(project: Path):
 
 
 def test_plan_knows_the_fp8_bytes_per_token():
-    """`make plan` / `python -m pipeline plan --dtype float8_e4m3`: L x (H + 4) + 9 per token, overhead measured
-    on a shard the real writer wrote in fp8."""
-    from pipeline.params import Params
-    from pipeline.planning import plan
+    """What `make plan` projects (pipeline/extraction/capacity.py, the planner's bytes): L x (H + 4) + 9 per token, the
+    format's overhead measured on a shard the real writer wrote in fp8."""
+    from pipeline.extraction.capacity import Projection, measure_overhead
 
-    params = Params.model_validate({})
-    got = {d: plan.build_plan(params, tokens=1_000_000, samples=1000, hidden_size=7168, num_layers=61, layer_ids=None,
-                              dtype=d, tok_per_s=10_000.0, gpus=[]).projection for d in ("bfloat16", FP8)}
+    got = {d: Projection(1000, 1_000_000, 4, 7168, d, measure_overhead(None, 4, 7168, d, 64)) for d in ("bfloat16", FP8)}
     assert got[FP8].bytes_per_token == 4 * (7168 + 4) + IDS_MASK_BYTES
     assert got[FP8].bytes_per_token / got["bfloat16"].bytes_per_token <= 0.52
-    assert got[FP8].bytes < 0.52 * got["bfloat16"].bytes
+    assert 0 < got[FP8].overhead.per_sample and got[FP8].bytes < 0.52 * got["bfloat16"].bytes
 
 
 @pytest.mark.slow
@@ -274,3 +271,37 @@ def test_export_of_fp8_shards_is_dequantized_and_says_so(fp8_root: Path, tmp_pat
     shard = shards(fp8_root)[0]
     s = load_sample(shard, read_manifest(shard)["sample_ids"][0])
     assert torch.equal(ds[s.sample_id]["verifier_last_hidden_states"], s.hidden_states[:, -1])
+
+
+@pytest.mark.slow
+def test_fp8_states_without_a_fitting_scale_are_caught(project: Path):
+    from safetensors.torch import save_file
+
+    from pipeline.target import sha256_file
+
+    shard = shards(project)[1]
+    manifest = read_manifest(shard)
+    tensors = load_file(str(shard))
+    sid = manifest["sample_ids"][0]
+    tensors[f"{sid}/hidden_states_scale"] = tensors[f"{sid}/hidden_states_scale"][:, :1].contiguous()  # [T, 1]
+    save_file(tensors, str(shard), metadata={"format": manifest["format"], "format_version": "2"})
+    manifest.update(bytes=shard.stat().st_size, sha256=sha256_file(shard))
+    shard_format.manifest_path(shard).write_text(json.dumps(manifest))
+    verify_fails(project, "structure", "hidden_states_scale is F32", f"sample={sid}")
+
+
+@pytest.mark.slow
+def test_train_and_eval_stages_read_fp8_shards(tmp_path: Path):
+    """The train stage reads fp8 shards themselves (no dequantized copy on disk) and eval serves its draft: the
+    tiny cycle target of tests/tiny_project.py, its states stored as the extract stage stores fp8."""
+    from tests.tiny_project import make_project
+
+    root = make_project(tmp_path / "p", n_heldout=4, dtype=FP8)
+    assert all(read_manifest(p)["format_version"] == 2 for p in shards(root))
+    before = sorted(p.relative_to(root) for p in (root / layout.HIDDEN_STATES_DIR).iterdir())
+    run_stage(root, "train", epochs=2, ttt_steps=2, lr=5e-3, max_len=64, val_fraction=0.25)
+    assert sorted(p.relative_to(root) for p in (root / layout.HIDDEN_STATES_DIR).iterdir()) == before
+    run_stage(root, "eval", num_speculative_tokens=2, num_prompts=4, max_tokens=16)
+    trained = json.loads((root / layout.METRICS / "train.json").read_text())
+    evaluated = json.loads((root / layout.METRICS / "eval.json").read_text())
+    assert trained and evaluated["tau"] >= 1

@@ -312,7 +312,8 @@ def scan_samples(
         # call costs several times a numpy one, under the GIL the scan threads share
         ids = shard.numpy(f"{sid}/input_ids")
         mask = shard.numpy(f"{sid}/loss_mask")
-        if not check_sample_structure(scan, sid, shard.shape(name), shard.stored_dtype(name), ids, mask, ctx):
+        if not check_sample_structure(scan, sid, shard.shape(name), shard.stored_dtype(name), ids, mask, ctx,
+                                      shard.header[name].get("scale")):
             continue
         T, _, H = shard.shape(name)
         hs = shard.numpy(name)
@@ -414,11 +415,20 @@ def scan_samples(
     }
 
 
-def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:
+def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext,
+                           scale: dict | None = None) -> bool:
+    """`scale`: fp8 states' scale entry (format version 2), None for other states."""
     want_ids, want_mask = ctx.prepared.row(sid)
     T, L, H = len(want_ids), len(ctx.layer_ids), ctx.hidden_size
     if tuple(shape) != (T, L, H):
         scan.fail("structure", f"hidden_states shape {list(shape)}, expected [T={T}, L={L}, H={H}]", sample=sid)
+        return False
+    if dtype == torch.float8_e4m3fn and scale is None:
+        scan.fail("structure", "fp8 hidden states without their scale tensor (hidden_states_scale)", sample=sid)
+        return False
+    if scale is not None and (scale.get("dtype") != "F32" or list(scale.get("shape", [])) != [T, L]):
+        scan.fail("structure", f"hidden_states_scale is {scale.get('dtype')} {scale.get('shape')}, expected F32 [T={T}, L={L}]",
+                  sample=sid)
         return False
     ok = True
     if dtype != (ctx.stored_dtype or ctx.dtype):
