@@ -296,12 +296,12 @@ def test_train_and_eval_stages_read_fp8_shards(tmp_path: Path):
     tiny cycle target of tests/tiny_project.py, its states stored as the extract stage stores fp8."""
     from tests.tiny_project import make_project
 
-    root = make_project(tmp_path / "p", n_heldout=4, dtype=FP8)
+    root = make_project(tmp_path / "p", n_samples=16, n_heldout=2, dtype=FP8)
     assert all(read_manifest(p)["format_version"] == 2 for p in shards(root))
     before = sorted(p.relative_to(root) for p in (root / layout.HIDDEN_STATES_DIR).iterdir())
-    run_stage(root, "train", epochs=2, ttt_steps=2, lr=5e-3, max_len=64, val_fraction=0.25)
+    run_stage(root, "train", epochs=1, ttt_steps=2, lr=5e-3, max_len=64, val_fraction=0.25)
     assert sorted(p.relative_to(root) for p in (root / layout.HIDDEN_STATES_DIR).iterdir()) == before
-    run_stage(root, "eval", num_speculative_tokens=2, num_prompts=4, max_tokens=16)
+    run_stage(root, "eval", num_speculative_tokens=2, num_prompts=2, max_tokens=8)
     trained = json.loads((root / layout.METRICS / "train.json").read_text())
     evaluated = json.loads((root / layout.METRICS / "eval.json").read_text())
     assert trained and evaluated["tau"] >= 1
