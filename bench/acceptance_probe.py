@@ -14,7 +14,8 @@ leading correct tokens, skip past them and the target's own token), which is the
 acceptance per position if vLLM feeds the draft as training did. (a) >> (b) ~ walk ~ vLLM:
 the gap is in the data (the draft learned text the target does not write); (b) ~ walk >> vLLM:
 the serving path feeds the draft differently. The continuations and their states are cached in
-greedy_<prompts>_<max-tokens>.pt in the project. docs/BENCHMARKS.md has a run.
+greedy_<prompts>_<max-tokens>.pt in the project. docs/BENCHMARKS.md ("The
+DeepSeek-V3-shaped embedded target on CPU") has a run.
 """
 
 from __future__ import annotations

@@ -67,8 +67,9 @@ def disk_rates(folder: Path, nbytes: int, parallel: list[int]) -> list[dict]:
         folder.mkdir(parents=True, exist_ok=True)
         each = nbytes // writers // BLOCK * BLOCK
         t0 = time.perf_counter()
+        paths = [folder / f"disk-{i}" for i in range(writers)]
         with ThreadPoolExecutor(writers) as pool:
-            list(pool.map(lambda i: write_blocks(folder / f"disk-{i}", each, view, direct), range(writers)))
+            list(pool.map(write_blocks, paths, [each] * writers, [view] * writers, [direct] * writers))
         seconds = time.perf_counter() - t0
         out.append(emit({"what": "disk", "writers": writers, "o_direct": direct, "bytes": each * writers,
                          "seconds": round(seconds, 3), "gb_per_s": round(each * writers / seconds / 1e9, 3)}))

@@ -8,8 +8,8 @@ Copies the project's target and prepared data into OUT/bf16 and OUT/bf16-rotary-
 each in bfloat16 (the second with the fix taken out of `vllm_compat.cpu_mla_overrides` in this
 process, which leaves the faulty kernel on), runs verify with default params and prints, per layer, the pooled
 error against its allowance and the per-token error distribution of vLLM's and of an independent
-transformers bf16 forward (MoE routing flips show as a long tail in both). docs/BENCHMARKS.md has
-a run.
+transformers bf16 forward (MoE routing flips show as a long tail in both). docs/BENCHMARKS.md ("The
+DeepSeek-V3-shaped embedded target on CPU") has a run.
 """
 
 from __future__ import annotations

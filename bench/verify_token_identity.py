@@ -8,8 +8,8 @@ the whole run again.
 
     python bench/verify_token_identity.py PROJECT_DIR [VICTIMS] [LENGTHS]
 
-LENGTHS: the shifts' lengths in positions, comma-separated (default 16,32,48). docs/ARCHITECTURE.md ("Per
-architecture and dtype") has runs.
+LENGTHS: the shifts' lengths in positions, comma-separated (default 16,32,48). docs/ARCHITECTURE.md ("Per-sample
+tests: what is caught, what cannot be", per architecture and dtype) has runs.
 """
 
 from __future__ import annotations

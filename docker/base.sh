@@ -4,7 +4,7 @@
 # system libraries docker/Dockerfile.cpu needs, imported into the engine and pushed to the
 # registry on loopback (docker/engine.sh up), so that it has a real digest and runtime.image
 # can pin it: localhost:5000/eagle3-base:bookworm@sha256:<digest>. Where a public registry is
-# reachable, skip this and pin debian:bookworm-slim by digest instead (README).
+# reachable, skip this and pin debian:bookworm-slim by digest instead (docs/CONTAINER.md).
 # Prints that reference on its last line. An existing base in the registry is reused, not rebuilt
 # (--rebuild forces a new one, which has a new digest: every stage re-runs after it).
 set -euo pipefail

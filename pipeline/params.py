@@ -27,7 +27,7 @@ class _Section(BaseModel):
 
 
 # vLLM's CPU MLA attention supports only these head sizes (kv_lora_rank + qk_rope_head_dim); real
-# DeepSeek-V3 / Kimi-K2 use 512 + 64 = 576 (FIELD-NOTES).
+# DeepSeek-V3 / Kimi-K2 use 512 + 64 = 576.
 MLA_HEAD_SIZES = (320, 512, 576)
 
 
@@ -236,7 +236,7 @@ class VerifyParams(_Section):
     min_argmax_agreement: float = Field(0.99, ge=0, le=1, description="Final-state check: share of masked positions whose lm_head argmax must match the reference's.")
     argmax_disagreement_ratio: float = Field(2.0, gt=0, description="bf16/fp16: argmax disagreement with the fp32 reference may be this many times an independent same-dtype reference's.")
     min_accuracy_ratio: float = Field(0.5, ge=0, le=1, description="Final-state check: a shard's next-token accuracy must be at least this share of the reference forward's.")
-    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 8 with a GPU and 4 without (8 scanned the 8B shape ~12% faster than 4 on an H100, 2026-12-05: docs/BENCHMARKS.md).")
+    workers: int | None = Field(None, ge=1, description="Shards scanned in parallel; null = the usable CPU cores, at most 8 with a GPU and 4 without (8 scanned the 8B shape ~12% faster than 4 on an H100, 2026-12-05: docs/ARCHITECTURE.md, 'Per-sample tests: what is caught, what cannot be').")
     audit_fraction: float = Field(
         0.02, ge=0, le=1,
         description="Share of shards (seeded) read in full: sha256 and per-layer statistics re-derived from the bytes and "
@@ -247,7 +247,7 @@ class VerifyParams(_Section):
         2048, ge=1,
         description="A seeded sample of this many masked positions per shard (of those the per-sample tests judge) goes "
         "through lm_head for the per-shard next-token check; null = every one (lm_head is ~5% of an 8B target's FLOPs per token: at every position about a "
-        "quarter of verify's data pass on the H200, docs/BENCHMARKS.md). Per-sample faults are the per-sample tests' job.",
+        "quarter of verify's data pass on the H200, 2026-12-03, commit 4e552fa). Per-sample faults are the per-sample tests' job.",
     )
     reference_memory_gib: float | None = Field(
         None, gt=0,
@@ -256,7 +256,7 @@ class VerifyParams(_Section):
         "null = 90% of the device's free memory.",
     )
     hash_all_shards: bool = Field(
-        False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; docs/BENCHMARKS.md for the cost)."
+        False, description="Re-compute every shard's sha256, not only the audited ones' (reads every byte; its cost: docs/BENCHMARKS.md, 'Verify's cost')."
     )
     sample_stride: int = Field(
         4, ge=1, description="Per-sample tests: every this-many-th position of every sample (seeded offset) is read in all "
@@ -292,7 +292,7 @@ class TrainParams(_Section):
         "eager", description="speculators' loss kernels: eager (PyTorch ops, CPU and GPU) or fused (its Triton "
         "kernels, GPU only). fused failed on the H200 under torch 2.11, vLLM 0.26's torch: dynamo 'ListVariable is "
         "already tracked for mutation' in the fused KL kernel's backward, a Triton autotuner's configs tracked twice "
-        "in one trace (PyTorch issue pytorch/pytorch#177600 and PyTorch PR #177874; docs/BENCHMARKS.md, the whole pipeline).",
+        "in one trace (PyTorch issue pytorch/pytorch#177600 and PyTorch PR #177874; docs/BENCHMARKS.md, 'The whole pipeline on one H200').",
     )
     nproc_per_node: int = Field(
         1, ge=1, description="Training processes per node, one per GPU; more than 1 (or nnodes > 1) runs speculators' "
@@ -354,7 +354,8 @@ class EvalParams(_Section):
 
 
 # The base image the GPU container builds FROM, pinned by tag and digest (docker/Dockerfile): the
-# vLLM release the H200 runs were measured with. The digest is not verified against a registry (README).
+# vLLM release the H200 runs were measured with. The digest is not verified against a registry
+# (docs/CONTAINER.md, "What is tested, what is not").
 DEFAULT_IMAGE = "vllm/vllm-openai:v0.26.0@sha256:ffb2d59b1c059a5bd8d781320c9f5189de8293693b7d95da54befddaa54abf52"
 
 

@@ -114,7 +114,7 @@ def test_projection_matches_a_real_extraction(tmp_path, tiny_target, prepared, p
 
 
 def test_real_scale_projection_from_the_cli(tmp_path):
-    """The documented Kimi-K2.5-shaped example (README): no model or data needed."""
+    """The documented Kimi-K2.5-shaped example (docs/PLANNING.md): no model or data needed."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "COLUMNS": "200"}
     args = ["--config", str(ROOT / "examples" / "kimi-k2.5-config.json"), "--tokens", "1e9", "--dtype", "bfloat16",
             "--layer-ids", "2,30,58,61", "--weights-gib", "594", "--gpu-gib", "141", "--tok-per-s", "20000", "--json"]

@@ -4,7 +4,7 @@ of the real stages on the embedded default at tiny params, driven as a user driv
 A kill is SIGKILL to the process group of `dvc repro` (DVC, the stage, vLLM) at an observed point:
 a finished shard kept in `artifacts/.partial/hidden_states`. No hook in the product code. After
 each accident the same command, typed again, must succeed without `--force`, and `dvc status`
-must show only what the user changed (docs/RELIABILITY.md, "Interrupted and failed runs").
+must show only what the user changed (docs/RELIABILITY.md, "Crashes").
 """
 
 from __future__ import annotations

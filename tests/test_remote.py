@@ -35,7 +35,7 @@ from tests.test_dvc_invalidation import ALL, TINY, merge, reproduce, set_param
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 BUCKET = "eagle3-dvc-remote"
-# what a git clone of a project that ran the pipeline holds (README: "Teammates: share and reuse")
+# what a git clone of a project that ran the pipeline holds (docs/SHARING.md)
 CARRIED = ("pipeline", "data", "bin", "dvc.yaml", "params.yaml", "dvc.lock", ".dvcignore", ".dvc/config", "metrics", "reports")
 HIDDEN_META = Path("artifacts/hidden_states/extract_meta.json")
 # CPU vLLM has no attention kernel for head_dim 16 (TINY's 64 / 4 heads): keep head_dim at 32
@@ -130,13 +130,13 @@ def share_push(root: Path) -> None:
 
 
 def credentials(root: Path) -> None:
-    """Each teammate's own, in the git-ignored .dvc/config.local (README)."""
+    """Each teammate's own, in the git-ignored .dvc/config.local (docs/SHARING.md, "Remotes")."""
     dvc(root, "remote", "modify", "--local", "shared", "access_key_id", "testing")
     dvc(root, "remote", "modify", "--local", "shared", "secret_access_key", "testing")
 
 
 def add_remote(root: Path, endpoint: str, prefix: str) -> None:
-    """The S3 commands of README.md, against the loopback server."""
+    """The S3 commands of docs/SHARING.md ("Remotes"), against the loopback server."""
     dvc(root, "remote", "add", "-d", "shared", f"s3://{BUCKET}/{prefix}")
     dvc(root, "remote", "modify", "shared", "endpointurl", endpoint)
     credentials(root)

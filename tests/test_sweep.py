@@ -1,7 +1,7 @@
 """The sweep's grid and its table, built from metrics files real stage runs wrote.
 
 The full `make sweep` (DVC experiments over the whole pipeline) takes many minutes even on tiny
-params; its real run is in README.md / docs/BENCHMARKS.md. Here: extract (conftest's real vLLM
+params; its real run is in docs/EXPERIMENTS.md ("A run on CPU"). Here: extract (conftest's real vLLM
 extraction) + verify on the shared tiny target, train + eval on tests/tiny_project.py's target.
 """
 

@@ -216,9 +216,10 @@ def test_two_processes_train_to_the_accuracy_of_one(one_and_two: tuple[Path, Pat
     # the same weights (seed 0; DDP broadcasts rank 0's) and average the same per-token losses:
     # the same training up to float reduction order (gloo's all-reduce of the gradients against
     # one backward over the packed row). Measured: the same val accuracy to the position, loss
-    # apart by 5e-7 relative; two seeds of one process are 0.13 apart (docs/BENCHMARKS.md). The
-    # tolerance, 2 of the 432 masked val positions and 1e-3 of the loss, allows for chaos over
-    # 36 steps and nothing a different data order, a lost half or a wrong gradient scale would give.
+    # apart by 5e-7 relative; two seeds of one process are 0.13 apart (docs/BENCHMARKS.md, "The whole
+    # pipeline on one H200"). The tolerance, 2 of the 432 masked val positions and 1e-3 of the loss,
+    # allows for chaos over 36 steps and nothing a different data order, a lost half or a wrong
+    # gradient scale would give.
     for k in range(ONE["ttt_steps"]):
         assert abs(a["val"][f"full_acc_{k}"] - b["val"][f"full_acc_{k}"]) <= 2 / 432, (k, a["val"], b["val"])
     assert abs(a["val"]["loss"] - b["val"]["loss"]) <= 1e-3 * a["val"]["loss"]

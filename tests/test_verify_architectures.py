@@ -8,7 +8,7 @@ reference samples and whose rows are no other planted sample's source; one verif
 sample (shard, sample, the layer where the class has one, positions) and no other sample. A clean run of the same
 extraction passes. On this shape a state's first captured layer carries much less of its own token than on a Llama,
 and the token test alone let shifted rows and another request's rows through (docs/ARCHITECTURE.md "Per-sample
-tests", the token-identity test)."""
+tests: what is caught, what cannot be", the token identity)."""
 
 from __future__ import annotations
 

@@ -136,7 +136,8 @@ def test_clean_run_reports_the_per_sample_tests(project: Path):
 # Weak noise: relative RMS error 0.5 over 16 positions of one layer (0.1 is not caught at this stride). The raw residual share
 # misses it (the clean share is 5-21% of a state's energy on this target); the whitened share, which weighs the
 # residual by the inverse of the clean residual's covariance, catches it: 0.5 is the limit measured for this victim
-# on this 20-sample extraction (docs/ARCHITECTURE.md, per-sample tests; bench/verify_sample_sensitivity.py)
+# on this 20-sample extraction (docs/ARCHITECTURE.md, "Per-sample tests: what is caught,
+# what cannot be"; bench/verify_sample_sensitivity.py)
 WEAK_NOISE = 0.5
 
 

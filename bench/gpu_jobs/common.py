@@ -119,7 +119,8 @@ WORKLOADS = {
     "moe": {"len_a": 512, "n_a": 112, "len_b": 2048, "n_b": 16, "samples_per_shard": 16},
     "tp": {"model": "dense", "len_a": 512, "n_a": 512, "len_b": 0, "n_b": 0, "samples_per_shard": 32},
     # 131,072 tokens, 5.6 GB of states in 10 shards: seconds of extraction beside two engine start-ups (131 + 29 s
-    # on the H200), verify on every shard: ~320-440 s for the whole job (docs/BENCHMARKS.md "The seed's shape")
+    # on the H200), verify on every shard: ~320-440 s for the whole job (docs/BENCHMARKS.md "The seed's shape on one
+    # H200")
     "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16, "verify_all": True},
     # "peer" (job_peer.py): speculators' data generation and our stage on the same 262,144 tokens of both
     # lengths (8.6 GB per tool: the disk holds ours and two of theirs beside the models, not the dense workload's too)

@@ -34,7 +34,7 @@ def job_build(state: dict, name: str) -> dict:
 
         config, cls = DeepseekV3Config(**shape, **common), DeepseekV3ForCausalLM
     t = time.monotonic()
-    # Built directly in bf16 (README pitfall 2: .to(bf16) would round RoPE's buffers too).
+    # Built directly in bf16: .to(bf16) would round RoPE's float32 buffers too.
     torch.set_default_dtype(torch.bfloat16)
     with torch.device(dev):
         model = cls(config).eval()
@@ -50,7 +50,7 @@ def job_build(state: dict, name: str) -> dict:
     t_save = time.monotonic() - t
     cfg_path = out / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    if kind == "deepseek_v3":  # real V3 / K2 configs carry these; vLLM needs them (FIELD-NOTES)
+    if kind == "deepseek_v3":  # real V3 / K2 configs carry these; vLLM needs them (pipeline/embedded/tiny_deepseek_v3.py)
         cfg.update(topk_method="noaux_tc", scoring_func="sigmoid")
     cfg_path.write_text(json.dumps(cfg, indent=2))
     vocab = {f"<t{i}>": i for i in range(shape["vocab_size"])}

@@ -6,7 +6,8 @@ the bench's extract settings, `dvc init --no-scm`: the GPU host has no git and n
 real check stage for artifacts/check.json, then bench/dvc_cost.py there: the stage alone, `dvc
 commit`, `dvc repro -f -s extract`, push and pull to a local remote. Two engine runs (~150 s each on
 the H200): one cache type per call. `--jobs dvccost` measures the default cache type (a copy on
-ext4), `--jobs dvccost_link` hardlink,symlink (README "Disk: cache type" calls them safe here).
+ext4), `--jobs dvccost_link` hardlink,symlink (docs/SHARING.md, "Disk: the cache
+type", calls them safe here).
 
 Disk: the H200 host has 64 GiB free on its one ext4 disk, and a run keeps up to 5 copies of the
 output at its peak with the copy type (dvc_cost.copies_needed), so the job sizes its own workload to

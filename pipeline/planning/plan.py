@@ -16,7 +16,7 @@
   `extract.gpu_memory_utilization` of each GPU's memory, on CPU weights + `extract.cpu_kvcache_gib`.
 
 Token counts come from the prepared dataset (exact, this rank's shards only); `--tokens` and the
-shape options project a model and dataset that are not here (README: a Kimi-K2.5-shaped example).
+shape options project a model and dataset that are not here (docs/PLANNING.md: a Kimi-K2.5-shaped example).
 """
 
 from __future__ import annotations

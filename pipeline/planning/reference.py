@@ -1,7 +1,7 @@
 """`make plan`'s projection of verify's reference forward at the planned scale: which reference runs
 (whole model or streamed, and why), the bytes it reads, the memory it holds, and a time estimate.
 
-Sizes come from the config alone (reference_cost.from_config), so a model that is not here (the
+Sizes come from the config alone (pipeline/verification/reference/cost.py, from_config), so a model that is not here (the
 Kimi-K2.5-shaped example) projects too. The time is an estimate at assumed rates, stated with it:
 reading the checkpoint once (the whole model at READ_BYTES_PER_S, assumed; streamed at STREAMED_BYTES_PER_S,
 measured on the H200 host) overlaps the forward (the next unit is prefetched), so the longer of the two is taken.
@@ -17,7 +17,8 @@ from pipeline.verification.reference.cost import BUDGET_PARAM, GIB, from_config,
 
 READ_BYTES_PER_S = 2e9  # one local NVMe-class disk, read sequentially (assumed): the whole-model load
 # the streamed reference, unit by unit: read on the host, copied up, INT4 dequantized, one unit ahead (measured: the
-# seed's shape on the H200 host, 35.1 GB in 31.9 s and 33.1 s, two calls; docs/BENCHMARKS.md)
+# seed's shape on the H200 host, 35.1 GB in 31.9 s and 33.1 s, two runs at 36 experts a chunk; docs/SCALING.md,
+# "Verify's cost")
 STREAMED_BYTES_PER_S = 1.07e9
 FLOPS = {"gpu": {"float32": 50e12, "bfloat16": 400e12}, "cpu": {"float32": 2e11, "bfloat16": 1e11}}  # assumed sustained
 

@@ -140,8 +140,8 @@ def run_engine(spec: dict, label: str) -> dict:
 
 def wait_group_exited(pgid: int, label: str, timeout_s: float = 120.0) -> None:
     """SIGKILL is asynchronous: a killed engine's processes, and the GPU memory they hold, can linger for
-    seconds, and the next engine would then find less free memory than eval.gpu_memory_utilization asks
-    (../shared/gpu/README.md, pitfall 7). Exited (zombie) processes hold none."""
+    seconds, and the next engine would then find less free memory than eval.gpu_memory_utilization asks.
+    Exited (zombie) processes hold none."""
     deadline = time.monotonic() + timeout_s
     while _live_members(pgid):
         if time.monotonic() > deadline:
@@ -218,7 +218,7 @@ def write_report(metrics: dict, rows: list[dict], train_metrics: dict | None, ma
             "eagle_aux_hidden_state_layer_ids). Or the training conversations are not text the target writes: "
             "training scores the draft teacher-forced on them, serving on the target's own greedy output; a target "
             "that fits its data poorly (the verify report's next-token accuracy well below 1) shows gaps of this size "
-            "(docs/BENCHMARKS.md, the DeepSeek-V3-shaped target), and on-policy data (data.regenerate.enabled) closes them. "
+            "(docs/BENCHMARKS.md, 'The DeepSeek-V3-shaped embedded target on CPU'), and on-policy data (data.regenerate.enabled) closes them. "
             "`python bench/acceptance_probe.py --out probe.json` tells the two apart: the trained draft teacher-forced "
             "on the target's own greedy text, walked like vLLM's draft/verify loop, matches vLLM's acceptance when the "
             "serving path feeds the draft as training did.",

@@ -2,7 +2,8 @@
 trains the same embedded target (and the same draft from the same shards) from the same seed.
 
 Beyond the seed, three things decide which float operations a CPU training step does, and so its
-last bits (which 600 steps amplify into another target: docs/ARCHITECTURE.md "Determinism"):
+last bits (which 600 steps amplify into another target: docs/ARCHITECTURE.md "Determinism: what a second
+run reproduces, and what it cannot"):
 
 - PyTorch's own vectorised kernels (elementwise ops, reductions, softmax, the optimizer): ATen
   picks one code path per process, the widest the CPU has (AVX-512 on this Xeon, AVX2 on older or
@@ -17,7 +18,7 @@ Both variables are read once per process, so they are set by `pin_environment` i
 (pipeline/cli.py) before the stage's module, and with it torch, is imported: natively, under
 `dvc repro`, and inside the container, where the same entry runs again. This module imports no
 torch for that reason. AVX2 is the widest path every x86-64 machine of the last ten years has; the
-weights measured with these pins: docs/BENCHMARKS.md "Determinism".
+weights measured with these pins: docs/BENCHMARKS.md "Determinism: the pinned CPU arithmetic".
 """
 
 from __future__ import annotations
@@ -33,10 +34,11 @@ PINNED_CAPABILITY = "AVX2"
 # Intra-op threads of the embedded target's training, and of the draft's when speculators' trainer
 # runs in one process on CPU (under torchrun each rank keeps torchrun's own OMP_NUM_THREADS=1), on
 # every machine. One, because: the weights of both depend on the count (measured: docs/BENCHMARKS.md
-# "Determinism"), so it must be a constant; every machine has one core to give; and on a shared
-# machine each extra thread waits at barriers for a descheduled peer: 40 target steps took 184 s
-# with 2 threads against 23-48 s with 1, and a draft epoch 219 s with 2 threads at load average 7
-# (28-35 s with 2 and 58-61 s with 1 at load 3-4: on a quiet machine two would be faster).
+# "Determinism: the pinned CPU arithmetic"), so it must be a constant; every machine has one core to
+# give; and on a shared machine each extra thread waits at barriers for a descheduled peer: 40
+# target steps took 184 s with 2 threads against 23-48 s with 1, and a draft epoch 219 s with 2
+# threads at load average 7 (28-35 s with 2 and 58-61 s with 1 at load 3-4: on a quiet machine two
+# would be faster).
 TRAINING_THREADS = 1
 
 

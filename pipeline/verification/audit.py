@@ -2,9 +2,9 @@
 
 The audit reads every byte of its shards (~0.4 s for a 268 MB shard on an H200 host) where the scan reads a quarter
 of the rows; done inside a scan thread it held that thread while the others alone kept the GPU busy. So
-`verify_scan.scan_shards` starts the audits in threads of their own (hashlib and numpy let go of the GIL) and scans
+`scan.scan_shards` starts the audits in threads of their own (hashlib and numpy let go of the GIL) and scans
 the audited shards last, when their audits are done; the scan judges what the audit found exactly as before
-(H200, 2026-12-05: docs/BENCHMARKS.md, verify's scan).
+(H200, 2026-12-05: `git show 61b87c6:docs/BENCHMARKS.md`).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def read_in_full(path: Path, with_stats: bool) -> FullRead:
     """The shard's sha256 and (`with_stats`) its samples' statistics from the bytes, in one read where its layout
     allows: each sample's states are hashed a block of rows at a time and their statistics taken from the block just
     hashed (still in cache), not read from memory a second time (the scan's time follows the host's, memory
-    bandwidth the suspect: H100 and H200, 2026-12-05, docs/BENCHMARKS.md, verify's scan)."""
+    bandwidth the suspect: H100 and H200, 2026-12-05, `git show 61b87c6:docs/BENCHMARKS.md`)."""
     if not with_stats:
         t = time.perf_counter()
         return FullRead(digest=sha256_file(path), seconds={"sha256": time.perf_counter() - t})

@@ -5,8 +5,9 @@ pass's final-layer rows, one after the other (each step ends with a host copy th
 buffer is free again when the next step fills it). On a GPU the buffers are page-locked, so uploads run at the bus's
 speed without synchronising the stream. Page-locking is slow and, while it runs, it holds up the other threads' page
 faults and CUDA calls: grown as the threads went, a cold process's first scan of the 8B shape took 7.10 s against
-2.39 s warm on an H200 (staging 28.9 against 4.0 thread-seconds; docs/BENCHMARKS.md). Made here, it is paid once,
-before the threads start, at a size known up front. On a CPU the buffers are ordinary memory (nothing goes up).
+2.39 s warm on an H200 (staging 28.9 against 4.0 thread-seconds; 2026-12-04, code 5693c8d, 16 scan threads:
+`git show 61b87c6:docs/BENCHMARKS.md`). Made here, it is paid once, before the threads start, at a size known up
+front. On a CPU the buffers are ordinary memory (nothing goes up).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ class Report:
     identity_columns: list[str] = field(default_factory=list)
     shard_stats: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
-    sample_tests: list[dict] = field(default_factory=list)  # per-sample tests: what, bound, population (verify_samples)
+    sample_tests: list[dict] = field(default_factory=list)  # per-sample tests: what, bound, population (verification/samples/scores.py)
 
     def fail(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, **where))

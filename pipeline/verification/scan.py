@@ -96,7 +96,7 @@ class ScanContext:
     hash_all: bool = False  # re-hash every shard, not only the audited ones
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
-    coherence: Any = None  # verify_samples.Coherence: every sample's per-token scores
+    coherence: Any = None  # samples.scores.Coherence: every sample's per-token scores
     stored_dtype: torch.dtype | None = None  # as stored, where it differs from `dtype` (fp8)
     staging: HostStaging | None = None  # the scan threads' host buffers (made by scan_shards)
     _final_head: FinalHead | None = field(default=None, init=False, repr=False)
@@ -127,7 +127,7 @@ class ShardScan:
     hashed: bool = False  # sha256 re-computed and equal to the manifest's
     masked_positions: int = 0  # masked positions in the shard (`counted` of them went through lm_head)
     seconds: dict = field(default_factory=dict)  # where this shard's time went (docs/BENCHMARKS.md)
-    sample_scores: list = field(default_factory=list)  # verify_samples.SampleScores of each sample judged
+    sample_scores: list = field(default_factory=list)  # samples.scores.SampleScores of each sample judged
 
     def timed(self, key: str, since: float) -> float:
         now = time.perf_counter()
@@ -144,12 +144,12 @@ DEFAULT_WORKERS = 4
 # page-locked staging, the GPU's queues; 2026-12-04); 8 threads, with torch's CPU operations on half the cores
 # between them (one each on 16; `intra_op_threads`), scanned the 8B shape on an H100 in 1.167-1.173 s against
 # 1.300-1.337 s from 4 threads at four each (2026-12-05), where 8 at two each are not clearly faster than 4 at four
-# (docs/BENCHMARKS.md, verify's scan)
+# (docs/ARCHITECTURE.md, "Per-sample tests: what is caught, what cannot be")
 DEFAULT_GPU_WORKERS = 8
 # the GIL's switch interval while the scan's threads run (Python's default: 5 ms): a thread back from a torch call or a
 # row copy waits at most this long for one in a stretch of Python (a shard's sample checks, its indices); on an H200
 # (8B shape) on a contended host 1 ms took the scan 1.98-2.19 -> 1.57 s; on a fast one it changed nothing, and 0.5 ms was
-# slower (2026-12-05, docs/BENCHMARKS.md, verify's scan)
+# slower (2026-12-05, code c78ad1a: `git show 61b87c6:docs/BENCHMARKS.md`)
 SCAN_SWITCH_INTERVAL = 0.001
 
 
@@ -164,7 +164,8 @@ def intra_op_threads(threads: int, current: int) -> int:
     H200 host), and the GPU's feeders wait for cores (a shard's scoring from 4 threads: 91 -> 117 batches a second,
     2026-12-05). Feeding a GPU, they share half the cores, the rest left to the audit's readers, the CUDA calls and
     the Python between them: 8 threads at one each on 16 cores scanned the 8B shape ~12% faster than 4 at four, where 8
-    at two are not clearly faster (H100, 2026-12-05; docs/BENCHMARKS.md, verify's scan)."""
+    at two are not clearly faster (H100, 2026-12-05; docs/ARCHITECTURE.md, "Per-sample tests: what is caught, what
+    cannot be")."""
     cores = len(os.sched_getaffinity(0))
     return max(1, min(current, cores // (2 * threads) if torch.cuda.is_available() else cores // threads))
 

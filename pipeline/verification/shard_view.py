@@ -9,7 +9,7 @@ from pipeline.hidden_states import fp8
 from pipeline.hidden_states.format import SAFETENSORS_DTYPES, logical_header
 from pipeline.verification.host_staging import StagingBuffer
 
-# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/shard_stats.py; fp8 as its bytes)
+# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/hidden_states/stats.py; fp8 as its bytes)
 _NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8, "F8_E4M3": np.uint8}
 
 

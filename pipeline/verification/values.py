@@ -2,10 +2,10 @@
 on an audited shard) show as non-finite, all zero or constant, and what the bytes of those layers are.
 
 A NaN anywhere in a layer makes its sum and sum of squares NaN; it reaches min and max only from the layer's last
-chunk of `shard_stats.sample_stats` (its merge of chunks drops one from an earlier chunk: at H 4096 a chunk is 256
-rows), so the sums are judged as well as min and max. The merge stays as it is: `shard_stats.py` decides extract's
-output, and an edit to it would re-run every user's extraction for records that only data verify fails anyway
-carries (docs/FORMAT.md, "Recorded statistics").
+chunk of `sample_stats` in pipeline/hidden_states/stats.py (its merge of chunks drops one from an earlier chunk: at
+H 4096 a chunk is 256 rows), so the sums are judged as well as min and max. The merge stays as it is: that module
+decides extract's output, and an edit to it would re-run every user's extraction for records that only data verify
+fails anyway carries (docs/FORMAT.md, "Recorded statistics").
 """
 
 from __future__ import annotations

@@ -126,7 +126,7 @@ RERUNS: dict[str, Rule] = {
     "plan.calibration_samples": tuning("read by `python -m pipeline plan` only; no stage"),
     "plan.write_gb_per_s": tuning("read by `python -m pipeline plan` only; no stage"),
     "runtime.image": reruns(*STAGES, why="the container's vLLM, torch and speculators run every stage"),
-    "runtime.mode": tuning("native and docker run the same code on the same data (byte-identical shards, README)"),
+    "runtime.mode": tuning("native and docker run the same code on the same data (byte-identical shards, docs/CONTAINER.md)"),
     "runtime.recipe": tuning("gpu or cpu recipe for the container; a new base comes with a new runtime.image, "
                              "which every stage lists"),
     "runtime.network": tuning("the container's network (none: nothing downloads at run time); not the data"),

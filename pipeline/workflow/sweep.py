@@ -10,7 +10,7 @@ did not run leaves a blank, not a stale number) and at the end prints one table:
 status, training accuracy per draft step (validation full_acc_k), tau, tokens/s with and without
 the draft, which stages ran. It is also written to reports/sweep.md and reports/sweep.json.
 
-DVC experiments need a git repository with at least one commit (README, "Experiments").
+DVC experiments need a git repository with at least one commit (docs/EXPERIMENTS.md).
 The workspace's params.yaml is restored afterwards; `dvc exp apply <name>` takes a point's
 params and outputs, `dvc exp show` lists them all.
 """
@@ -129,7 +129,7 @@ def check_git() -> None:
     except (subprocess.CalledProcessError, FileNotFoundError):
         raise PipelineError(
             "DVC experiments need a git repository with at least one commit: run `git init && git add -A && "
-            "git commit -m init` in the project (README, 'Experiments'), then `make sweep` again"
+            "git commit -m init` in the project (docs/EXPERIMENTS.md), then `make sweep` again"
         ) from None
 
 

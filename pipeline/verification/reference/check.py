@@ -158,7 +158,7 @@ def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row:
         return
     # low precision: as close to the fp32 reference as an independent reference in the same dtype,
     # both pooled over all reference tokens, so that the MoE routing flips bf16 rounding causes in
-    # either forward count as much as they weigh (docs/FORMAT.md, "How verify judges closeness")
+    # either forward count as much as they weigh (docs/ARCHITECTURE.md, "Verify: the checks and their tolerances")
     cal = max(calibration.rel_rms if calibration else 0.0, BF16_REL_FLOOR)
     allowed = params.bf16_error_ratio * cal
     if "quantization_bound" in row:

@@ -3,7 +3,8 @@
 Windows of sample_window positions are compared with all windows of the run (median and robust
 sigma) and with the sample's own other windows, at a Bonferroni-bounded false-alarm rate for the
 whole run; whole samples with the other samples; adjacent layers tried exchanged. A failure names
-the shard, sample, layer and positions with the evidence (docs/ARCHITECTURE.md "Per-sample tests").
+the shard, sample, layer and positions with the evidence (docs/ARCHITECTURE.md "Per-sample tests: what is
+caught, what cannot be").
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The per-sample tests' cross-layer predictors (verify_samples.Coherence), fitted by least squares per fold: each
+"""The per-sample tests' cross-layer predictors (scores.Coherence), fitted by least squares per fold: each
 captured layer from the other captured layers and the token's embedding, the first from the embedding alone; and,
 under the map that scores each fold, the whitened test's basis and the noise leak (pipeline/verification/samples/whitening.py)."""
 
@@ -19,7 +19,7 @@ class FoldFit:
     weights: list[torch.Tensor]  # per fold, the predictors that score it: [(L + 1) H + 1, (L + 1) H]
     # per (fold, half), the whitened test's basis of each layer's clean residual: (eigenvectors [L, H, H], weights [L, H])
     whiteners: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
-    leak: torch.Tensor  # [L, L] (verify_whitening.noise_leak)
+    leak: torch.Tensor  # [L, L] (whitening.noise_leak)
     rows: int  # the rows fitted on
 
 

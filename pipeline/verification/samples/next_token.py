@@ -15,7 +15,8 @@ the test, calibrated on the run's own scores as every per-sample test is, has no
 Why a test of its own: on the DeepSeek-V3 / Kimi shape (MLA, routed experts) the first captured layer carries much
 less of its own token than on a Llama (a linear map from E[id] leaves ~25% of its energy unexplained against ~5-20%),
 so the token test separates a clean state from another request's by ~1.5 robust sigmas a position, which the
-run-calibrated thresholds do not clear (docs/ARCHITECTURE.md "Per-sample tests").
+run-calibrated thresholds do not clear (docs/ARCHITECTURE.md "Per-sample tests: what is caught, what
+cannot be").
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ def contrast_tokens(ids: np.ndarray, positions: np.ndarray) -> np.ndarray:
 
 def contrast_scores(log_probs: torch.Tensor, answered: np.ndarray, judged: np.ndarray, loss_mask: np.ndarray) -> torch.Tensor:
     """[P] per judged position the contrast in nats, from the log-probabilities [A, 3] of `contrast_tokens` at the
-    `answered` ones (the judge ranks them over the run: verify_sample_judge.token_identity); NaN where the next token
+    `answered` ones (the judge ranks them over the run: judge.token_identity); NaN where the next token
     is not the target's answer (a user's words are not what a target predicts, and a trained target's confident
     guesses at a user's new question after its answer made the contrast's clean tail: docs/ARCHITECTURE.md
-    "Per-sample tests") and at positions not answered."""
+    "Per-sample tests: what is caught, what cannot be") and at positions not answered."""
     mask = np.asarray(loss_mask) != 0
     length = len(mask)
     lp = log_probs.double()

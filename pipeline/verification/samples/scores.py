@@ -15,14 +15,17 @@ model) and per test it scores the residual energy as a share of the state's:
 The clean residual of a layer lives mostly in a few directions; noise or wrong values added to a state
 spread over all of them, so the whitened share sees them where the raw share cannot (tiny Llama, 540
 samples: noise of relative RMS 0.2-0.3 on 16 positions of one layer, where the raw share caught 0.3 on
-two layers and nothing up to 2 on the others: docs/ARCHITECTURE.md "Sensitivity, measured").
+two layers and nothing up to 2 on the others; the 2-core CPU, recorded 2026-12-02 in commit 31adcff: "Sensitivity,
+measured" in `git show c1aae8c:docs/ARCHITECTURE.md`; today's limits: docs/ARCHITECTURE.md "Per-sample tests:
+what is caught, what cannot be").
 
 Every run of `verify.sample_window` consecutive positions of every sample is a window; its score is
 the mean log residual share of its judged positions, the largest left out (robust to one odd token). Windows are judged against all windows of the run (median, and the MAD
 as a robust sigma: a fault in one sample barely moves either), one-sided, at z* from a Bonferroni
 correction over every window of every test: under a normal law of the clean window scores the
 whole run's false-alarm probability is <= `verify.sample_false_alarm`. Zeroed rows, rows of another
-request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md: what is caught, what not).
+request or layer, shifted rows and noise break the fit (docs/ARCHITECTURE.md, "Per-sample tests: what is caught,
+what cannot be").
 """
 
 from __future__ import annotations
@@ -436,7 +439,8 @@ def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torc
     """How squared residual norms become shares of the states' energy, in one multiply-add (squared x scale + floor):
     1 / energy, the scale (1 / energy; 0 for an all-zero state) and the floor (0; ZERO_ROW_SHARE for an all-zero
     state). Made once a batch: each call into torch costs a scoring thread ~0.25 ms waiting its turn on the host the
-    scan's threads share, mostly outside the GIL (H100, 2026-12-06: docs/BENCHMARKS.md, verify's scan)."""
+    scan's threads share, mostly outside the GIL (H100, 2026-12-06: docs/ARCHITECTURE.md, "Per-sample tests: what is
+    caught, what cannot be"; the 0.2-0.3 ms a call: `git show 61b87c6:docs/BENCHMARKS.md`)."""
     inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
     return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
 

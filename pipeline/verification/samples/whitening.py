@@ -1,4 +1,4 @@
-"""The whitened test's pieces (verify_samples.Coherence): each captured layer's clean residual covariance,
+"""The whitened test's pieces (scores.Coherence): each captured layer's clean residual covariance,
 in its eigenbasis, and what noise on one layer adds to the other layers' whitened scores."""
 
 from __future__ import annotations
