@@ -47,6 +47,21 @@ def test_quantization_error_is_within_its_bound():
     assert torch.allclose(q.float().abs().amax(-1)[1:], torch.full((63, 4), 448.0))
 
 
+def test_rounding_variance_predicts_the_rounding_energy():
+    """Summed over rows, `rounding_variance` is the squared error quantization leaves, to 2% (Gaussian rows of
+    H 4096 and H 64 at scales 1e-3..1e3), recovered from the dequantized values alone or given their scales."""
+    g = torch.Generator().manual_seed(1)
+    for h in (4096, 64):
+        x = torch.randn(256, h, generator=g) * torch.logspace(-3, 3, 256)[:, None]
+        q, scale = fp8.quantize(x)
+        back = fp8.dequantize(q, scale)
+        measured = ((back - x) ** 2).sum(-1) / x.pow(2).sum(-1)
+        for predicted in (fp8.rounding_variance(back), fp8.rounding_variance(back, scale)):
+            share = predicted.sum(-1) / x.pow(2).sum(-1)
+            assert abs(float(share.mean() / measured.mean()) - 1) < 0.02, (h, float(share.mean()), float(measured.mean()))
+    assert torch.equal(fp8.row_scale(back), scale)
+
+
 def test_non_finite_values_stay_non_finite():
     x = torch.ones(2, 2, 8)
     x[0, 1, 3], x[1, 0, 0] = float("nan"), float("inf")

@@ -59,3 +59,27 @@ def error_bound(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     _, exponent = torch.frexp(q)  # q = m 2^exponent, m in [0.5, 1): q's binade is 2^(exponent - 1)
     step = torch.where(q >= 2.0**-6, torch.ldexp(torch.ones_like(q), exponent - 5), torch.full_like(q, SUBNORMAL_ABS_ERROR))
     return step * s + values.abs() * 2.0**-20
+
+
+def row_scale(values: torch.Tensor) -> torch.Tensor:
+    """[..., H] dequantized values -> [...] the scale they were stored with: the row's largest value is stored as
+    +-448, so max |x'| / 448 (to the fp32 product's rounding); 1 for an all-zero row, as `quantize` sets it."""
+    amax = values.abs().amax(dim=-1)
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
+def rounding_variance(values: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Per element, the variance of the rounding error behind the dequantized `values` [..., H]: rounding to
+    nearest with step d leaves an error spread evenly over [-d/2, d/2], of variance d^2 / 12. The step at a stored
+    q in [2^e, 2^(e+1)) is 2^(e-3) x scale (3 mantissa bits; twice `error_bound`'s half step), 2^-9 x scale for a
+    subnormal or zero q (d^2 / 16 at a normal power of two, below); 0 at +-448, the row's largest value, which the scale maps there exactly (a value that rounds
+    up to it from below is taken as exact too: at most a few of a row's H). `scale` [...]: the rows' scales (None:
+    recovered from the values, `row_scale`)."""
+    s = (row_scale(values) if scale is None else scale).unsqueeze(-1)
+    q = values.abs() / s
+    mantissa, exponent = torch.frexp(q)  # q in [2^(exponent - 1), 2^exponent)
+    normal = q >= 2.0**-6
+    step = torch.where(normal, torch.ldexp(torch.ones_like(q), exponent - 4), torch.full_like(q, 2 * SUBNORMAL_ABS_ERROR))
+    # at a normal power of two the values rounded to it span [-d/4, d/2] (the binade below has half the step): d^2 / 16
+    spread = torch.where(normal & (mantissa == 0.5), 16.0, 12.0)
+    return torch.where(q < E4M3_MAX * (1 - 2.0**-10), (step * s).square() / spread, torch.zeros_like(q))
