@@ -65,7 +65,7 @@ def check_structure_and_values(
     )
     t0 = time.perf_counter()
     if embedding is not None and files:
-        context.coherence = fit_coherence(files, layer_ids, hidden_size, embedding, prepared, params)
+        context.coherence = fit_coherence(files, layer_ids, hidden_size, embedding, prepared, params, stored_fp8)
         report.summary["coherence_fit_seconds"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     # the scan threads' page-locked buffers, sized by the run's shape, not its data: a fixed cost, reported apart

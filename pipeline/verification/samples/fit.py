@@ -36,10 +36,11 @@ def load_embedding(path: Path, trust_remote_code: bool = False, device: str | No
         return f.get_tensor(found)
 
 
-def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:
+def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params,
+                  quantized: bool = False) -> Coherence:
     """Fit the predictors on up to `coherence_fit_tokens` sampled rows of seeded samples (samples of
     the wrong shape are left to the structure check)."""
-    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed)
+    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed, quantized)
     want = (len(prepared), len(layer_ids), hidden_size)
     order = sorted(files)
     random.Random(params.seed).shuffle(order)
