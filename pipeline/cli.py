@@ -126,7 +126,7 @@ def _layer_list(value: str | None) -> list[int] | None:
 @click.option("--hidden-size", type=int, help="Override the model's hidden size.")
 @click.option("--num-layers", type=int, help="Override the model's decoder layer count.")
 @click.option("--layer-ids", help="Override extract.layer_ids, e.g. 2,30,58,61.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16"]), help="Override extract.dtype.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16", "float16", "float8_e4m3"]), help="Override extract.dtype.")
 @click.option("--weights-gib", type=float, help="Checkpoint size in GiB (default: the target's weight files).")
 @click.option("--gpu-gib", type=float, help="Memory per GPU in GiB, for a machine that is not this one.")
 @click.option("--tensor-parallel-size", type=int, help="Override extract.tensor_parallel_size (GPUs the weights are split over).")

@@ -401,3 +401,23 @@ def test_killed_training_then_a_param_changed_back_restores_the_finished_draft(p
     retype(project, "repro", "-f", "-s", "check")
     assert not (project / "artifacts" / ".partial").exists() and not (project / "artifacts/draft.lock").exists()
     up_to_date(project, "train")
+@pytest.mark.slow
+def test_fp8_shards_run_end_to_end(project):
+    """extract.dtype float8_e4m3 on the embedded default: extract stores format version 2, verify passes it with its
+    fp8 tolerances, train reads the fp8 shards themselves and eval measures the draft."""
+    from pipeline.hidden_states import format as shard_format
+
+    set_param(project, "extract", "dtype", "float8_e4m3")
+    reproduce(project, targets=["extract"])
+    hs = project / "artifacts" / "hidden_states"
+    meta = shard_format.read_meta(hs)
+    assert (meta["dtype"], meta["format_version"]) == ("float8_e4m3", 2)
+    assert reproduce(project) == {"verify", "train", "eval"}  # check ran with extract, upstream of it
+    assert all(shard_format.read_manifest(p)["format_version"] == 2 for p in shard_format.complete_shards(hs))
+    assert not list(project.glob("artifacts/**/*dequant*")), "no dequantized second copy on disk"
+    verify = json.loads((project / "metrics" / "verify.json").read_text())
+    assert verify["passed"] and verify["dtype"] == "float8_e4m3"
+    assert all("quantization_bound" in row for row in verify["layers"].values())
+    evaluated = json.loads((project / "metrics" / "eval.json").read_text())
+    assert evaluated["tau"] >= 1
+    assert reproduce(project) == set()

@@ -96,7 +96,7 @@ def test_shards_carry_data_and_metadata(extracted: Path, prepared: Path, extract
     for p in shards.complete_shards(extracted):
         m = shards.read_manifest(p)
         assert m["sha256"] == sha256_file(p) and m["run_key"] == meta["run_key"]
-        assert m["layer_ids"] == meta["layer_ids"] and m["format_version"] == shards.FORMAT_VERSION
+        assert m["layer_ids"] == meta["layer_ids"] and m["format_version"] == shards.format_version(meta["dtype"]) == 1
         with safe_open(str(p), framework="pt") as f:
             assert f.metadata()["format"] == shards.FORMAT_NAME
     assert not (extracted.parent / f"{extracted.name}.scratch").exists()

@@ -96,8 +96,9 @@ def _words(g: torch.Generator, n: int) -> str:
 
 @torch.no_grad()
 def make_shards(out: Path, target_dir: Path, n_samples: int, layer_ids: list[int], seq_len: int = 48,
-                samples_per_shard: int = 8, seed: int = 0) -> None:
-    """Shards in vLLM's id convention: id k < N = HF hidden_states[k]; id N = input of the final norm."""
+                samples_per_shard: int = 8, seed: int = 0, dtype: str = "float32") -> None:
+    """Shards in vLLM's id convention: id k < N = HF hidden_states[k]; id N = input of the final norm (computed in
+    fp32; `dtype` float8_e4m3: stored as the extract stage stores them, format version 2)."""
     model = LlamaForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
     pre_norm: list[torch.Tensor] = []
     model.model.norm.register_forward_pre_hook(lambda _m, args: pre_norm.append(args[0]))
@@ -110,12 +111,12 @@ def make_shards(out: Path, target_dir: Path, n_samples: int, layer_ids: list[int
         hs = torch.stack([h[0] for h in layers], dim=1)  # [T, L, H]
         mask = torch.ones(seq_len, dtype=torch.uint8)
         mask[: seq_len // 4] = 0  # a "prompt" part without loss
-        samples.append(shards.Sample(sid, ids, mask, hs))
+        samples.append(shards.stored(shards.Sample(sid, ids, mask, hs), dtype))
     out.mkdir(parents=True, exist_ok=True)
     for i in range(0, n_samples, samples_per_shard):
         shards.write_shard(out, i // samples_per_shard, samples[i : i + samples_per_shard], {})
-    meta = {"format": shards.FORMAT_NAME, "format_version": shards.FORMAT_VERSION, "run_key": f"tiny-{seed}-{layer_ids}",
-            "complete": True, "layer_ids": layer_ids, "hidden_size": HIDDEN, "num_layers": NUM_LAYERS, "dtype": "float32"}
+    meta = {"format": shards.FORMAT_NAME, "format_version": shards.format_version(dtype), "run_key": f"tiny-{seed}-{layer_ids}-{dtype}",
+            "complete": True, "layer_ids": layer_ids, "hidden_size": HIDDEN, "num_layers": NUM_LAYERS, "dtype": dtype}
     shards.write_meta(out, meta)
 
 
@@ -127,12 +128,12 @@ def write_verdict(root: Path) -> None:
 
 
 def make_project(root: Path, n_samples: int = 24, layer_ids: list[int] | None = None, n_heldout: int = 6,
-                 train: dict | None = None, eval_: dict | None = None) -> Path:
+                 train: dict | None = None, eval_: dict | None = None, dtype: str = "float32") -> Path:
     """Everything the train and eval stages read, under `root` (the stages use cwd-relative paths)."""
     target_dir = make_target(root / "target")
     write_target(Target(path=target_dir.resolve(), embedded=False, fingerprint=fingerprint_model_dir(target_dir)),
                  root / layout.TARGET_JSON)
-    make_shards(root / layout.HIDDEN_STATES_DIR, target_dir, n_samples, layer_ids or [2, 4, 5, NUM_LAYERS])
+    make_shards(root / layout.HIDDEN_STATES_DIR, target_dir, n_samples, layer_ids or [2, 4, 5, NUM_LAYERS], dtype=dtype)
     write_verdict(root)
     prepared = root / layout.PREPARED_DIR
     prepared.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+from pipeline.hidden_states.storage import DTYPE_BYTES, state_bytes_per_token  # noqa: F401 (the planner reads them here)
+
 IDS_MASK_BYTES = 9  # int64 input id + uint8 loss mask per token (docs/FORMAT.md)
 
 
@@ -55,7 +56,7 @@ def measure_overhead(shard_dir: Path | None, num_layers: int, hidden: int, dtype
 
     for path in shards.complete_shards(shard_dir) if shard_dir and shard_dir.is_dir() else []:
         m = shards.read_manifest(path)
-        per_token = len(m["layer_ids"]) * m["hidden_size"] * DTYPE_BYTES[m["dtype"]] + IDS_MASK_BYTES
+        per_token = state_bytes_per_token(len(m["layer_ids"]), m["hidden_size"], m["dtype"]) + IDS_MASK_BYTES
         total = path.stat().st_size + shards.manifest_path(path).stat().st_size
         over = total - per_token * sum(m["num_tokens"])
         return Overhead(over / len(m["sample_ids"]), f"measured on {path}")
@@ -64,8 +65,8 @@ def measure_overhead(shard_dir: Path | None, num_layers: int, hidden: int, dtype
     n = min(samples_per_shard, 8)
     with tempfile.TemporaryDirectory(prefix="plan-overhead-") as tmp:
         samples = [
-            shards.Sample(10**6 + i, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.uint8),
-                          torch.zeros(1, num_layers, hidden, dtype=getattr(torch, dtype)))
+            shards.stored(shards.Sample(10**6 + i, torch.zeros(1, dtype=torch.int64), torch.ones(1, dtype=torch.uint8),
+                                        torch.zeros(1, num_layers, hidden, dtype=getattr(torch, shards.engine_dtype(dtype)))), dtype)
             for i in range(n)
         ]
         extra = {"layer_ids": list(range(num_layers)), "layer_id_convention": shards.LAYER_ID_CONVENTION,
@@ -73,7 +74,7 @@ def measure_overhead(shard_dir: Path | None, num_layers: int, hidden: int, dtype
                  "vllm_version": "0.0.0", "rank": 0}
         m = shards.write_shard(Path(tmp), 0, samples, extra)
         total = m["bytes"] + shards.manifest_path(Path(tmp) / m["file"]).stat().st_size
-    per_token = num_layers * hidden * DTYPE_BYTES[dtype] + IDS_MASK_BYTES
+    per_token = state_bytes_per_token(num_layers, hidden, dtype) + IDS_MASK_BYTES
     return Overhead((total - per_token * n) / n, f"measured on a {n}-sample shard written by pipeline/hidden_states/format.py (no real shard yet)")
 
 
@@ -88,7 +89,7 @@ class Projection:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.num_layers * self.hidden_size * DTYPE_BYTES[self.dtype] + IDS_MASK_BYTES
+        return state_bytes_per_token(self.num_layers, self.hidden_size, self.dtype) + IDS_MASK_BYTES
 
     @property
     def bytes(self) -> int:
@@ -151,7 +152,8 @@ class DiskNeed:
             + f". Nothing was written. To fit: free space there or point {self.out} elsewhere (e.g. make "
             f"artifacts/ a link to a larger disk); use fewer samples (data.max_samples); shorter samples "
             f"(data.seq_len{f'; the longest prepared sample has {seq_len} tokens' if seq_len else ''}); fewer layers (extract.layer_ids, now "
-            f"{proj.num_layers})" + ("; or extract.dtype: bfloat16 (half of float32)" if proj.dtype == "float32" else "")
+            f"{proj.num_layers})" + ({"float32": "; or extract.dtype: bfloat16 (half of float32) or float8_e4m3 (about a quarter)",
+                                    "bfloat16": "; or extract.dtype: float8_e4m3 (about half of bfloat16)"}.get(proj.dtype, ""))
             + ". `python -m pipeline plan` shows the projection."
         )
 

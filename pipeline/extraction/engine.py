@@ -24,6 +24,7 @@ from pipeline.errors import PipelineError
 from pipeline.extraction import vllm_compat
 from pipeline.extraction.inputs import ShardPlan
 from pipeline.hidden_states import format as shards
+from pipeline.hidden_states import fp8
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.params import ExtractParams
 from pipeline.progress import progress
@@ -55,8 +56,10 @@ class Progress:
 
 
 def to_sample(
-    sid: int, input_ids: list[int], loss_mask: list[int], data: dict, shape: tuple[int, int]
+    sid: int, input_ids: list[int], loss_mask: list[int], data: dict, shape: tuple[int, int], dtype: str | None = None
 ) -> shards.Sample:
+    """vLLM's capture of one request, checked, as the sample to write (`dtype`: extract.dtype; float8_e4m3 is
+    quantized here, where the tensor is: on the host today, pipeline/hidden_states/fp8.py)."""
     got = data["token_ids"].tolist()
     if got != input_ids:
         first = next(
@@ -74,12 +77,17 @@ def to_sample(
     hs = data["hidden_states"]
     if tuple(hs.shape) != (len(input_ids), *shape):
         raise PipelineError(f"sample {sid}: hidden_states shape {tuple(hs.shape)}, expected {(len(input_ids), *shape)}")
-    # one pass over the tensor while it is in memory: the manifest's record, and the finite check
-    stats = shard_stats.sample_stats(hs)
+    ids = torch.tensor(input_ids, dtype=torch.int64)
+    scale = None
+    if dtype == fp8.STORAGE_DTYPE:  # stored as fp8; its statistics are of the dequantized values (a non-finite
+        hs, scale = fp8.quantize(hs)  # value makes its row NaN there, so the finite check below still sees it)
+        stats = shard_stats.sample_stats(fp8.dequantize(hs, scale))
+    else:
+        # one pass over the tensor while it is in memory: the manifest's record, and the finite check
+        stats = shard_stats.sample_stats(hs)
     if not shard_stats.finite(stats):
         raise PipelineError(f"sample {sid}: vLLM returned non-finite hidden states (try extract.dtype: float32)")
-    ids = torch.tensor(input_ids, dtype=torch.int64)
-    return shards.Sample(sid, ids, torch.tensor(loss_mask, dtype=torch.uint8), hs, stats)
+    return shards.Sample(sid, ids, torch.tensor(loss_mask, dtype=torch.uint8), hs, stats, scale)
 
 
 def shard_workers() -> int:
@@ -118,7 +126,7 @@ def collect_shard(
             time.sleep(POLL_S)
         t1 = time.monotonic()
         data = vllm_compat.read_hidden_states(path)
-        samples.append(to_sample(rows["sample_id"][r], rows["input_ids"][r], rows["loss_mask"][r], data, shape))
+        samples.append(to_sample(rows["sample_id"][r], rows["input_ids"][r], rows["loss_mask"][r], data, shape, extra.get("dtype")))
         times["wait_files"] += t1 - t0
         times["read_check"] += time.monotonic() - t1
     t2 = time.monotonic()
@@ -136,7 +144,7 @@ def start_engine(
         model=target.path,
         layer_ids=layer_ids,
         scratch_dir=scratch,
-        dtype=params.dtype,
+        dtype=shards.engine_dtype(params.dtype),  # fp8 is a storage format: the engine computes in bf16
         max_model_len=max_model_len,
         max_num_seqs=params.max_num_seqs,
         max_num_batched_tokens=params.max_num_batched_tokens,

@@ -72,7 +72,7 @@ def run_key_fields(target: Target, data_hash: str, layer_ids: list[int], params:
         "prepared_dataset_sha256": data_hash,
         "layer_ids": layer_ids,
         "dtype": params.dtype,
-        "format_version": shards.FORMAT_VERSION,
+        "format_version": shards.format_version(params.dtype),
         "samples_per_shard": params.samples_per_shard,
         "world_size": params.world_size,
     }

@@ -8,7 +8,8 @@ speculators-0.9 (speculators >= 0.5; what `speculators.train.data.ArrowDataset` 
     DIR/                              an Arrow dataset (datasets' save_to_disk), torch format:
       data-*.arrow, dataset_info.json, state.json
                                       input_ids list<int64>, loss_mask list<int64>, seq_len int64
-      hidden_states/hs_{i}.safetensors  for dataset row i: "hidden_states" [T, L, H] (extract dtype,
+      hidden_states/hs_{i}.safetensors  for dataset row i: "hidden_states" [T, L, H] (extract dtype; float32
+                                      dequantized for float8_e4m3 shards: speculators' trainer reads no scales;
                                       layers in vLLM's convention, the last = the final pre-norm
                                       state) and "token_ids" [T] int64 -- what vLLM's
                                       ExampleHiddenStatesConnector writes
@@ -41,6 +42,7 @@ from safetensors.torch import save_file
 from pipeline.atomic import TMP_MARK, fsync_dir
 from pipeline.errors import PipelineError
 from pipeline.hidden_states import format as shards
+from pipeline.hidden_states import fp8
 from pipeline.layout import HIDDEN_STATES_DIR
 
 FORMATS = ("speculators-0.3", "speculators-0.9")
@@ -66,14 +68,14 @@ def iter_all_samples(hs_dir: Path) -> Iterator[shards.Sample]:
     """Every sample of the complete shards, ascending sample_id, one at a time."""
     for p in shards.complete_shards(hs_dir):
         m = shards.read_manifest(p)
-        if m.get("format") != shards.FORMAT_NAME or m.get("format_version") != shards.FORMAT_VERSION:
+        if m.get("format") != shards.FORMAT_NAME or m.get("format_version") not in range(1, shards.FORMAT_VERSION + 1):
             raise PipelineError(f"{p}: unknown format {m.get('format')!r} version {m.get('format_version')!r}")
         yield from shards.iter_samples(p)
 
 
 def check_source(hs_dir: Path) -> dict:
     meta = shards.read_meta(hs_dir)
-    if meta.get("format") != shards.FORMAT_NAME or meta.get("format_version") != shards.FORMAT_VERSION:
+    if meta.get("format") != shards.FORMAT_NAME or meta.get("format_version") not in range(1, shards.FORMAT_VERSION + 1):
         raise PipelineError(f"{hs_dir}: unknown format {meta.get('format')!r} version {meta.get('format_version')!r}")
     if not meta.get("complete"):
         raise PipelineError(f"{hs_dir}: extraction is not complete (extract_meta.json complete=false); re-run extract")
@@ -162,10 +164,13 @@ def export(fmt: str, out: Path, hs_dir: Path = HIDDEN_STATES_DIR) -> dict:
     sidecar = {
         "format": fmt,
         "source_format": shards.FORMAT_NAME,
-        "source_format_version": shards.FORMAT_VERSION,
+        "source_format_version": meta["format_version"],
         "source_run_key": meta["run_key"],
         "model_fingerprint": meta["model_fingerprint"],
         "dtype": meta["dtype"],
+        # float8_e4m3 shards are exported dequantized (speculators 0.9.0's trainer reads one "hidden_states" tensor and
+        # no scales): float32, the exact values the reader returns and verify checked
+        "exported_dtype": "float32" if meta["dtype"] == fp8.STORAGE_DTYPE else meta["dtype"],
         "hidden_size": meta["hidden_size"],
         "num_layers": meta["num_layers"],
         "vllm_layer_ids": layer_ids,
@@ -194,5 +199,6 @@ def export(fmt: str, out: Path, hs_dir: Path = HIDDEN_STATES_DIR) -> dict:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"{len(sample_ids)} samples -> {out} ({fmt}, layers {sidecar['layer_ids']})")
+    dequantized = f", dequantized from {meta['dtype']} to float32" if meta["dtype"] == fp8.STORAGE_DTYPE else ""
+    log(f"{len(sample_ids)} samples -> {out} ({fmt}, layers {sidecar['layer_ids']}, {sidecar['exported_dtype']}{dequantized})")
     return sidecar

@@ -6,6 +6,16 @@ A shard is one safetensors file holding `samples_per_shard` samples, each as thr
     "{sample_id}/input_ids"      [T]        int64
     "{sample_id}/loss_mask"      [T]        uint8 (0/1)
 
+(format version 1: float32, bfloat16, float16), or, with extract.dtype float8_e4m3 (format version 2), the
+states as two tensors in place of the first (pipeline/hidden_states/fp8.py):
+
+    "{sample_id}/hidden_states_fp8"    [T, L, H]  float8_e4m3fn
+    "{sample_id}/hidden_states_scale"  [T, L]     float32 (per token and layer)
+
+under other names than version 1's, so that a reader of version 1 asking for "{sample_id}/hidden_states" fails
+on the missing tensor rather than reading unscaled fp8 values. `logical_header`, `load_sample` and
+`iter_samples` present both versions as "{sample_id}/hidden_states" (dequantized to float32 for version 2).
+
 plus a JSON manifest beside it (`shard-NNNNN.json`) that is written *after* the data file, so a
 manifest on disk means its shard is complete. The manifest records each sample's per-layer
 statistics (pipeline/hidden_states/stats.py), computed from the tensors as they are written. The
@@ -29,10 +39,15 @@ import torch
 from safetensors import safe_open
 
 from pipeline.atomic import atomic_path, atomic_write_text
+from pipeline.errors import PipelineError
+from pipeline.hidden_states import fp8
 from pipeline.hidden_states import stats as shard_stats
+from pipeline.hidden_states.storage import engine_dtype, format_version  # noqa: F401 (the format's API)
 
 FORMAT_NAME = "eagle3-pipeline/hidden-states"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest this code writes and reads; version 1 (no fp8) is read too and still written
+FP8_FORMAT_VERSION = format_version(fp8.STORAGE_DTYPE)
+FP8_SUFFIX, SCALE_SUFFIX = "/hidden_states_fp8", "/hidden_states_scale"
 LAYER_ID_CONVENTION = (
     "vllm: id k = hidden state entering decoder layer k (0 = embeddings output); "
     "id N = last decoder layer's output BEFORE the final norm"
@@ -45,8 +60,28 @@ class Sample:
     sample_id: int
     input_ids: torch.Tensor  # [T] int64
     loss_mask: torch.Tensor  # [T] 0/1
-    hidden_states: torch.Tensor  # [T, L, H]
-    stats: np.ndarray | None = None  # [L, 4] shard_stats.FIELDS; computed on write when None
+    hidden_states: torch.Tensor  # [T, L, H]; float8_e4m3fn with `scale` (format version 2)
+    stats: np.ndarray | None = None  # [L, 4] shard_stats.FIELDS (of the dequantized values); computed on write when None
+    scale: torch.Tensor | None = None  # [T, L] float32, with fp8 hidden states only
+
+
+def stored(sample: Sample, dtype: str) -> Sample:
+    """The sample as it is written for extract.dtype `dtype`: fp8 quantized (statistics of the dequantized values,
+    computed here when the sample has none), anything else as it is."""
+    if dtype != fp8.STORAGE_DTYPE or sample.hidden_states.dtype == fp8.TORCH_DTYPE:
+        return sample
+    q, scale = fp8.quantize(sample.hidden_states)
+    stats = sample.stats if sample.stats is not None else shard_stats.sample_stats(fp8.dequantize(q, scale).cpu())
+    return Sample(sample.sample_id, sample.input_ids, sample.loss_mask, q, stats, scale)
+
+
+def check_version(version, where) -> None:
+    """Refuse a shard (or run) of a format version this code does not know."""
+    if version is None or int(version) > FORMAT_VERSION or int(version) < 1:
+        raise PipelineError(
+            f"{where}: hidden-states format version {version!r}; this eagle3-pipeline reads versions 1 to "
+            f"{FORMAT_VERSION}: use the eagle3-pipeline that wrote it (a newer one), or re-run extract with this one"
+        )
 
 
 def shard_name(index: int) -> str:
@@ -65,16 +100,24 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
     """
     path = Path(directory) / shard_name(index)
     tensors: dict[str, torch.Tensor] = {}
+    version = 1
     for s in samples:
-        tensors[f"{s.sample_id}/hidden_states"] = s.hidden_states.contiguous()
+        if s.hidden_states.dtype == fp8.TORCH_DTYPE:
+            if s.scale is None or tuple(s.scale.shape) != tuple(s.hidden_states.shape[:2]) or s.scale.dtype != torch.float32:
+                raise ValueError(f"sample {s.sample_id}: fp8 hidden states need a [T, L] float32 scale")
+            tensors[f"{s.sample_id}{FP8_SUFFIX}"] = s.hidden_states.contiguous()
+            tensors[f"{s.sample_id}{SCALE_SUFFIX}"] = s.scale.contiguous()
+            version = FP8_FORMAT_VERSION
+        else:
+            tensors[f"{s.sample_id}/hidden_states"] = s.hidden_states.contiguous()
         tensors[f"{s.sample_id}/input_ids"] = s.input_ids.to(torch.int64).contiguous()
         tensors[f"{s.sample_id}/loss_mask"] = s.loss_mask.to(torch.uint8).contiguous()
-    header = {"format": FORMAT_NAME, "format_version": str(FORMAT_VERSION), "shard_index": str(index)}
+    header = {"format": FORMAT_NAME, "format_version": str(version), "shard_index": str(index)}
     with atomic_path(path) as tmp:
         size, sha256 = write_safetensors(tmp, tensors, header)
     manifest = {
         "format": FORMAT_NAME,
-        "format_version": FORMAT_VERSION,
+        "format_version": version,
         "shard_index": index,
         "file": path.name,
         "bytes": size,
@@ -86,7 +129,7 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
         "layer_stats": {
             "fields": list(shard_stats.FIELDS),
             "samples": {
-                str(s.sample_id): shard_stats.to_record(s.stats if s.stats is not None else shard_stats.sample_stats(s.hidden_states))
+                str(s.sample_id): shard_stats.to_record(s.stats if s.stats is not None else _stats(s))
                 for s in samples
             },
         },
@@ -94,6 +137,12 @@ def write_shard(directory: Path, index: int, samples: list[Sample], manifest_ext
     }
     atomic_write_text(manifest_path(path), json.dumps(manifest, indent=1, sort_keys=True) + "\n")
     return manifest
+
+
+def _stats(s: Sample) -> np.ndarray:
+    if s.hidden_states.dtype == fp8.TORCH_DTYPE:
+        return shard_stats.sample_stats(fp8.dequantize(s.hidden_states, s.scale).cpu())
+    return shard_stats.sample_stats(s.hidden_states)
 
 
 # safetensors' dtype names, in the order its writer lays tensors out (then by name): the order of
@@ -161,7 +210,27 @@ def _sha256(blocks: list[memoryview]) -> str:
     return h.hexdigest()
 
 
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8}
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "U8": torch.uint8,
+                      "F8_E4M3": torch.float8_e4m3fn}
+
+
+def logical_header(header: dict) -> dict:
+    """A shard's header with each fp8 sample's pair of tensors as one entry "{sid}/hidden_states" (dtype F8_E4M3,
+    its scale's entry under "scale"): every version's samples under the same names. A scale without its states, or
+    states without their scale, stays under its own name (a reader's key check reports it)."""
+    out = {}
+    for name, entry in header.items():
+        if name.endswith(FP8_SUFFIX):
+            sid = name[: -len(FP8_SUFFIX)]
+            scale = header.get(sid + SCALE_SUFFIX)
+            if scale is not None and f"{sid}/hidden_states" not in header:
+                out[f"{sid}/hidden_states"] = {**entry, "scale": scale}
+                continue
+        elif name.endswith(SCALE_SUFFIX) and name[: -len(SCALE_SUFFIX)] + FP8_SUFFIX in header \
+                and name[: -len(SCALE_SUFFIX)] + "/hidden_states" not in header:
+            continue
+        out[name] = entry
+    return out
 
 
 def read_header(path: Path) -> tuple[dict, int]:
@@ -189,7 +258,12 @@ def read_header(path: Path) -> tuple[dict, int]:
 
 
 def read_manifest(shard_path: Path) -> dict:
-    return json.loads(manifest_path(shard_path).read_text())
+    """A shard's manifest; refused (PipelineError naming it) when its format version is newer than this code's."""
+    path = manifest_path(shard_path)
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") == FORMAT_NAME:
+        check_version(manifest.get("format_version"), path)
+    return manifest
 
 
 def complete_shards(directory: Path) -> list[Path]:
@@ -199,12 +273,23 @@ def complete_shards(directory: Path) -> list[Path]:
 
 
 def load_sample(shard_path: Path, sample_id: int, device: str = "cpu") -> Sample:
+    """One sample; its hidden states as stored (version 1) or dequantized to float32 (version 2, fp8: `scale` is
+    then the stored per-token scale). Refuses a shard of a newer format version, naming it."""
     with safe_open(str(shard_path), framework="pt", device=device) as f:
+        if (version := (f.metadata() or {}).get("format_version")) is not None:
+            check_version(version, shard_path)
+        scale = None
+        if f"{sample_id}{FP8_SUFFIX}" in f.keys():
+            scale = f.get_tensor(f"{sample_id}{SCALE_SUFFIX}")
+            hs = fp8.dequantize(f.get_tensor(f"{sample_id}{FP8_SUFFIX}"), scale)
+        else:
+            hs = f.get_tensor(f"{sample_id}/hidden_states")
         return Sample(
             sample_id=sample_id,
             input_ids=f.get_tensor(f"{sample_id}/input_ids"),
             loss_mask=f.get_tensor(f"{sample_id}/loss_mask"),
-            hidden_states=f.get_tensor(f"{sample_id}/hidden_states"),
+            hidden_states=hs,
+            scale=scale,
         )
 
 
@@ -217,7 +302,10 @@ def read_meta(directory: Path) -> dict:
     path = Path(directory) / META_FILE
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: run the extract stage first")
-    return json.loads(path.read_text())
+    meta = json.loads(path.read_text())
+    if meta.get("format") == FORMAT_NAME:
+        check_version(meta.get("format_version"), path)
+    return meta
 
 
 def write_meta(directory: Path, meta: dict) -> None:

@@ -41,6 +41,7 @@ from pipeline.extraction.capacity import (
     human_seconds,
     measure_overhead,
 )
+from pipeline.hidden_states.storage import engine_dtype
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, REPORTS
 from pipeline.planning.extract_time import ExtractionTime, extraction_time, largest_shard
 from pipeline.planning.reference import ReferenceProjection, add_rows, project_reference
@@ -153,7 +154,7 @@ class Memory:
 
 
 def memory(cfg: dict, weights: int | None, ext, gpus: list[int], gpus_here: bool = True) -> Memory:
-    dtype_bytes = DTYPE_BYTES[ext.dtype]
+    dtype_bytes = DTYPE_BYTES[engine_dtype(ext.dtype)]  # the engine's dtype (fp8 is only how states are stored)
     kv_tok = kv_bytes_per_token(cfg, dtype_bytes)
     n = ext.tensor_parallel_size * ext.pipeline_parallel_size
     if not gpus:
@@ -339,7 +340,7 @@ def build_plan(params, *, tokens: float | None = None, samples: int | None = Non
     mem = memory(cfg, weights, ext, gpu_list, gpus_here=gpus is None)
     if weights is None:
         mem.notes.append("weights unknown: pass --weights-gib (the checkpoint's size on disk)")
-    reference = project_reference(cfg, params.verify, ext.dtype, params.data.seq_len, gpu_list)
+    reference = project_reference(cfg, params.verify, engine_dtype(ext.dtype), params.data.seq_len, gpu_list)
     biggest = largest_shard(shard_tokens, shard_samples, proj.bytes_per_token, overhead.per_sample)
     return Plan(model, proj, ids, need, tp, mem, notes, todo_tokens, reference, biggest, params.plan.write_gb_per_s)
 
@@ -355,7 +356,8 @@ def render(plan: Plan) -> None:
     t.add_column("how", overflow="fold")
     t.add_row("samples / tokens", f"{p.samples:,} / {p.tokens:,}", "")
     t.add_row("layers captured", str(plan.layer_ids), f"hidden {p.hidden_size}, {p.dtype} ({DTYPE_BYTES[p.dtype]} B)")
-    t.add_row("bytes per token", f"{p.bytes_per_token:,}", f"{p.num_layers} x {p.hidden_size} x {DTYPE_BYTES[p.dtype]} + {IDS_MASK_BYTES} (ids, mask)")
+    scales = f" + {p.num_layers} x 4 (fp32 scales)" if p.dtype == "float8_e4m3" else ""
+    t.add_row("bytes per token", f"{p.bytes_per_token:,}", f"{p.num_layers} x {p.hidden_size} x {DTYPE_BYTES[p.dtype]}{scales} + {IDS_MASK_BYTES} (ids, mask)")
     t.add_row("format overhead", f"{p.overhead.per_sample:,.0f} B/sample", p.overhead.source)
     t.add_row("[bold]extraction writes", f"[bold]{human_bytes(p.bytes)}", f"{p.bytes:,} bytes")
     if need.kept_bytes or need.reclaimed_bytes:

@@ -92,7 +92,7 @@ def _run(params: ExtractParams, cluster=None) -> None:
     }
     meta = {
         "format": shards.FORMAT_NAME,
-        "format_version": shards.FORMAT_VERSION,
+        "format_version": shards.format_version(params.dtype),
         **common,
         "run_key_fields": key_fields,
         "num_layers": target.num_layers,

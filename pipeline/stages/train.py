@@ -51,9 +51,9 @@ log = logging.getLogger("pipeline.train")
 def check_inputs(meta: dict) -> None:
     """Only complete hidden states of a format we know, and only the ones verify passed."""
     where = HIDDEN_STATES_DIR / shards.META_FILE
-    if (meta.get("format"), meta.get("format_version")) != (shards.FORMAT_NAME, shards.FORMAT_VERSION):
+    if meta.get("format") != shards.FORMAT_NAME or meta.get("format_version") not in range(1, shards.FORMAT_VERSION + 1):
         raise PipelineError(f"{where}: format {meta.get('format')!r} v{meta.get('format_version')} is not "
-                            f"{shards.FORMAT_NAME!r} v{shards.FORMAT_VERSION}; re-run extract")
+                            f"{shards.FORMAT_NAME!r} v1 to v{shards.FORMAT_VERSION}; re-run extract")
     if not meta.get("complete"):
         raise PipelineError(f"{where}: the extract run has not finished; run it to completion first")
     if not VERIFY_VERDICT.is_file():
@@ -84,7 +84,8 @@ def check_layer_ids(meta: dict, target: Target) -> list[int]:
         raise PipelineError(f"{HIDDEN_STATES_DIR}: no complete shard; re-run extract")
     sid = shards.read_manifest(first)["sample_ids"][0]
     with safe_open(str(first), framework="pt") as f:
-        shape = f.get_slice(f"{sid}/hidden_states").get_shape()
+        name = f"{sid}/hidden_states" if f"{sid}/hidden_states" in f.keys() else f"{sid}{shards.FP8_SUFFIX}"
+        shape = f.get_slice(name).get_shape()
     if shape[1:] != [len(ids), target.hidden_size]:
         raise PipelineError(f"{first}: sample {sid} has hidden states {shape}, expected [T, {len(ids)}, {target.hidden_size}] "
                             f"for layer_ids {ids}; the shards do not match {where}")

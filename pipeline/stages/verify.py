@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pipeline.atomic import atomic_write_text
 from pipeline.console import say
 from pipeline.errors import PipelineError
-from pipeline.hidden_states.format import read_meta
+from pipeline.hidden_states.format import engine_dtype, read_meta
 from pipeline.layout import HIDDEN_STATES_DIR, METRICS, PREPARED_DATASET, VERIFY_VERDICT
 from pipeline.params import VerifyParams
 from pipeline.target import load_target
@@ -69,7 +69,9 @@ def run(params: VerifyParams) -> None:
 
     prepared = load_from_disk(str(PREPARED_DATASET))
     # whole model or streamed (pipeline/verification/reference/streamed.py); a budget too small fails here, before loading
-    choice = choose_reference(target.path, meta["dtype"], params.reference_memory_gib,
+    # the references are computed in the engine's dtype (fp8 storage: bf16; pipeline/hidden_states/format.py)
+    computed = engine_dtype(meta["dtype"])
+    choice = choose_reference(target.path, computed, params.reference_memory_gib,
                               max(prepared["seq_len"], default=1), target.trust_remote_code)
     # The final-state pass needs only the final norm and lm_head: loaded alone first (this also
     # starts the GPU and imports the model's code, before the scan's threads compete for the GIL),
@@ -83,7 +85,7 @@ def run(params: VerifyParams) -> None:
         report.warn("samples", f"per-sample tests not run: {e}")
     report.summary["embedding_load_seconds"] = round(time.perf_counter() - t0, 3)
     with ThreadPoolExecutor(max_workers=1, thread_name_prefix="verify-reference") as loader:
-        references = None if choice.streamed else loader.submit(load_references, target.path, meta["dtype"], target.trust_remote_code)
+        references = None if choice.streamed else loader.submit(load_references, target.path, computed, target.trust_remote_code)
         alone = isinstance(head, FinalHeadModel)
         if choice.streamed and not alone:
             raise VerifyFailed(f"{target.path}: the streamed reference needs the final norm and lm_head read alone: {head}")
@@ -96,7 +98,7 @@ def run(params: VerifyParams) -> None:
 
         sample_to_shard = check_structure_and_values(report, params, meta, prepared, head_model, target.hidden_size, workers, embedding)
         refs = references.result() if references else stream_references(
-            target.path, meta["dtype"], shard_sequences(reference_selection(sorted(sample_to_shard), params), sample_to_shard),
+            target.path, computed, shard_sequences(reference_selection(sorted(sample_to_shard), params), sample_to_shard),
             choice, head, target.trust_remote_code)
     report.summary.update(reference="streamed" if choice.streamed else "whole model", reference_choice=choice.why)
     report.summary.update(reference_load=refs.how, reference_load_seconds=round(refs.seconds, 3))

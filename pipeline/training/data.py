@@ -1,4 +1,5 @@
-"""Our hidden-state shards as a speculators training dataset, read lazily (one safe_open per sample).
+"""Our hidden-state shards as a speculators training dataset, read lazily (one sample at a time, through
+`format.load_sample`: fp8 shards are dequantized in memory, no second copy on disk).
 
 speculators' EAGLE-3 trainer wants per sample
     hidden_states                [T, (L-1)*H]  the auxiliary layers, concatenated in layer order
@@ -15,7 +16,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from safetensors import safe_open
 from speculators.train.data import BaseDataset
 
 from pipeline.hidden_states import format as shards
@@ -59,10 +59,9 @@ class ShardDataset(BaseDataset):
 
     def _get_raw_data(self, index: int) -> dict[str, torch.Tensor]:
         ref = self.refs[index]
-        with safe_open(str(ref.shard), framework="pt") as f:
-            hs = f.get_tensor(f"{ref.sample_id}/hidden_states").to(self.hidden_states_dtype)
-            input_ids = f.get_tensor(f"{ref.sample_id}/input_ids")
-            loss_mask = f.get_tensor(f"{ref.sample_id}/loss_mask")
+        # the format's reader: fp8 shards (format version 2) are read as they are and dequantized here, per sample
+        sample = shards.load_sample(ref.shard, ref.sample_id)
+        hs, input_ids, loss_mask = sample.hidden_states.to(self.hidden_states_dtype), sample.input_ids, sample.loss_mask
         return {
             "hidden_states": hs[:, :-1].flatten(1),
             "verifier_last_hidden_states": hs[:, -1],

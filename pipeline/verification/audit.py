@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from pipeline.hidden_states import stats as shard_stats
-from pipeline.hidden_states.format import read_header
+from pipeline.hidden_states.format import logical_header, read_header
 from pipeline.target import sha256_file
 from pipeline.verification.shard_view import _NUMPY_VIEW, ShardView
 
@@ -43,6 +43,7 @@ def read_in_full(path: Path, with_stats: bool) -> FullRead:
         return FullRead(digest=sha256_file(path), seconds={"sha256": time.perf_counter() - t})
     try:
         header, data_start = read_header(path)
+        header = logical_header(header)  # an fp8 sample's states and scale as one entry (format version 2)
     except (ValueError, KeyError, TypeError):
         header, data_start = None, 0
     data = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
@@ -60,7 +61,7 @@ def _read_once(data: np.ndarray, header: dict, data_start: int, states: list) ->
     digest, shard, at = hashlib.sha256(), ShardView(data, header, data_start), 0
     for sid, name, begin, end in states:
         _hash(digest, data[at:begin], found)
-        view = shard.numpy(name)
+        view = shard.raw(name)  # the bytes as stored (fp8: their scale lies elsewhere, hashed in its own place)
         stats = _empty_stats(view.shape[1])
         # sample_stats' own chunk of rows: a block is one of its chunks, so adding blocks adds its sums in its order
         rows = max(1, shard_stats._CHUNK_VALUES // max(view.shape[2], 1))
@@ -68,7 +69,8 @@ def _read_once(data: np.ndarray, header: dict, data_start: int, states: list) ->
             block = view[t0 : t0 + rows]
             _hash(digest, block, found)
             t = time.perf_counter()
-            _add_block(stats, shard_stats.sample_stats(block))
+            # the statistics are of the values (fp8: dequantized, as the extractor recorded them)
+            _add_block(stats, shard_stats.sample_stats(shard.rows(name, t0, t0 + rows)))
             found.seconds["audit_stats"] += time.perf_counter() - t
         found.stats[sid], at = stats, end
     _hash(digest, data[at:], found)

@@ -20,6 +20,7 @@ detail (which layer is NaN, all zeros) is worked out only for a sample already k
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -33,8 +34,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from pipeline.errors import PipelineError
 from pipeline.hidden_states import stats as shard_stats
-from pipeline.hidden_states.format import FORMAT_NAME, manifest_path, read_header, read_manifest
+from pipeline.hidden_states.format import FORMAT_NAME, check_version, logical_header, manifest_path, read_header
 from pipeline.progress import progress
 from pipeline.verification.audit import read_in_full
 from pipeline.verification.final_head import FINAL_CHUNK_POSITIONS, FinalHead, sample_final_positions, split_positions
@@ -85,7 +87,7 @@ class ScanContext:
 
     layer_ids: list[int]
     hidden_size: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the values the scan reads (float32 for fp8 states, which it dequantizes)
     prepared: PreparedTokens
     # the fp32 final norm + lm_head: loaded alone before the scan, or (where that cannot be done
     # exactly) the full fp32 reference's, which loads while the shards' other checks run
@@ -95,6 +97,7 @@ class ScanContext:
     final_state_positions: int | None = None  # per shard through lm_head; None = every masked position
     seed: int = 0
     coherence: Any = None  # samples.scores.Coherence: every sample's per-token scores
+    stored_dtype: torch.dtype | None = None  # as stored, where it differs from `dtype` (fp8)
     staging: HostStaging | None = None  # the scan threads' host buffers (made by scan_shards)
     _final_head: FinalHead | None = field(default=None, init=False, repr=False)
     _final_head_lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
@@ -216,10 +219,15 @@ def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) ->
         scan.fail("structure", "shard has no manifest: an incomplete write (killed run?); re-run extract to resume")
         return scan
     t = time.perf_counter()
-    manifest = read_manifest(path)
+    manifest = json.loads(manifest_path(path).read_text())
     scan.timed("manifest", t)
     if manifest.get("format") != FORMAT_NAME:
         scan.fail("structure", f"manifest format {manifest.get('format')!r}, expected {FORMAT_NAME!r}")
+        return scan
+    try:
+        check_version(manifest.get("format_version"), manifest_path(path))
+    except PipelineError as e:
+        scan.fail("structure", str(e))
         return scan
     if manifest.get("layer_ids") is not None and list(manifest["layer_ids"]) != list(ctx.layer_ids):
         scan.fail("structure", f"manifest layer_ids {manifest['layer_ids']} differ from the run's {ctx.layer_ids}")
@@ -250,6 +258,7 @@ def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) ->
     t = time.perf_counter()
     try:
         header, data_start = read_header(path)
+        header = logical_header(header)  # fp8 states + scale as "{sid}/hidden_states" (format version 2)
     except (ValueError, KeyError, TypeError) as e:
         scan.fail("structure", f"unreadable safetensors file: {e}")
         return scan
@@ -304,7 +313,8 @@ def scan_samples(
         # call costs several times a numpy one, under the GIL the scan threads share
         ids = shard.numpy(f"{sid}/input_ids")
         mask = shard.numpy(f"{sid}/loss_mask")
-        if not check_sample_structure(scan, sid, shard.shape(name), shard.dtype(name), ids, mask, ctx):
+        if not check_sample_structure(scan, sid, shard.shape(name), shard.stored_dtype(name), ids, mask, ctx,
+                                      shard.header[name].get("scale")):
             continue
         T, _, H = shard.shape(name)
         hs = shard.numpy(name)
@@ -335,7 +345,7 @@ def scan_samples(
         sums[:, 3] += T * H
         scan.tokens += T
         if ctx.coherence is not None:
-            to_score.append((sid, hs, shard.header[name]["dtype"], ids))
+            to_score.append((sid, hs, shard.kind(name), ids))
         positions = np.flatnonzero(mask[:-1])
         scan.masked_positions += len(positions)
         if from_scoring:
@@ -406,15 +416,24 @@ def scan_samples(
     }
 
 
-def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext) -> bool:
+def check_sample_structure(scan: ShardScan, sid: int, shape: tuple, dtype: torch.dtype, ids, mask, ctx: ScanContext,
+                           scale: dict | None = None) -> bool:
+    """`scale`: fp8 states' scale entry (format version 2), None for other states."""
     want_ids, want_mask = ctx.prepared.row(sid)
     T, L, H = len(want_ids), len(ctx.layer_ids), ctx.hidden_size
     if tuple(shape) != (T, L, H):
         scan.fail("structure", f"hidden_states shape {list(shape)}, expected [T={T}, L={L}, H={H}]", sample=sid)
         return False
+    if dtype == torch.float8_e4m3fn and scale is None:
+        scan.fail("structure", "fp8 hidden states without their scale tensor (hidden_states_scale)", sample=sid)
+        return False
+    if scale is not None and (scale.get("dtype") != "F32" or list(scale.get("shape", [])) != [T, L]):
+        scan.fail("structure", f"hidden_states_scale is {scale.get('dtype')} {scale.get('shape')}, expected F32 [T={T}, L={L}]",
+                  sample=sid)
+        return False
     ok = True
-    if dtype != ctx.dtype:
-        scan.fail("structure", f"hidden_states dtype {dtype}, the run declares {ctx.dtype}", sample=sid)
+    if dtype != (ctx.stored_dtype or ctx.dtype):
+        scan.fail("structure", f"hidden_states dtype {dtype}, the run declares {ctx.stored_dtype or ctx.dtype}", sample=sid)
         ok = False
     if ids.shape != want_ids.shape or not np.array_equal(ids, want_ids):
         scan.fail("structure", "input_ids differ from the prepared dataset's", sample=sid)

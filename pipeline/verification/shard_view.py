@@ -5,36 +5,71 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from pipeline.hidden_states.format import SAFETENSORS_DTYPES
+from pipeline.hidden_states import fp8
+from pipeline.hidden_states.format import SAFETENSORS_DTYPES, logical_header
 from pipeline.verification.host_staging import StagingBuffer
 
-# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/hidden_states/stats.py)
-_NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8}
+# numpy views of safetensors dtypes (bf16 as its int16 bit pattern; pipeline/hidden_states/stats.py; fp8 as its bytes)
+_NUMPY_VIEW = {"BF16": np.int16, "F16": np.float16, "F32": np.float32, "I64": np.int64, "U8": np.uint8, "F8_E4M3": np.uint8}
 
 
 class ShardView:
-    """Tensors of a memory-mapped safetensors file as numpy views (nothing read until indexed)."""
+    """Tensors of a memory-mapped safetensors file as numpy views (nothing read until indexed).
+
+    `header` is taken as `format.logical_header` presents it: an fp8 sample's states (format version 2) are one
+    entry "{sid}/hidden_states" whose values (`numpy`, `rows`, `tensor`) are dequantized to float32 as they are
+    read (on the host, a sample or a block of rows at a time); `raw` is the stored bytes.
+    """
 
     def __init__(self, data: np.ndarray, header: dict, data_start: int) -> None:
-        self.data, self.header, self.data_start = data, header, data_start
+        self.data, self.header, self.data_start = data, logical_header(header), data_start
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self.header[name]["shape"])
 
-    def dtype(self, name: str) -> torch.dtype:
+    def stored_dtype(self, name: str) -> torch.dtype:
         return SAFETENSORS_DTYPES[self.header[name]["dtype"]]
 
-    def numpy(self, name: str) -> np.ndarray:
-        entry = self.header[name]
+    def dtype(self, name: str) -> torch.dtype:
+        """The dtype of the values `numpy` gives: float32 for fp8 states, else as stored."""
+        return torch.float32 if "scale" in self.header[name] else self.stored_dtype(name)
+
+    def kind(self, name: str) -> str:
+        """The safetensors dtype name of the values `numpy` gives ("F32" for fp8 states)."""
+        return "F32" if "scale" in self.header[name] else self.header[name]["dtype"]
+
+    def _entry_view(self, entry: dict) -> np.ndarray:
         begin, end = entry["data_offsets"]
         raw = self.data[self.data_start + begin : self.data_start + end]
         return raw.view(_NUMPY_VIEW[entry["dtype"]]).reshape(entry["shape"])
+
+    def raw(self, name: str) -> np.ndarray:
+        """The stored bytes' numpy view (fp8 as uint8)."""
+        return self._entry_view(self.header[name])
+
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of the values: a view as stored, or for fp8 states their dequantized float32 copy."""
+        entry = self.header[name]
+        if "scale" not in entry:
+            return self._entry_view(entry)[lo:hi]
+        q = torch.from_numpy(np.ascontiguousarray(self._entry_view(entry)[lo:hi])).view(fp8.TORCH_DTYPE)
+        scale = torch.from_numpy(np.ascontiguousarray(self._entry_view(entry["scale"])[lo:hi]))
+        return fp8.dequantize(q, scale).numpy()
+
+    def numpy(self, name: str) -> np.ndarray:
+        """The values: a view of the memory map, or for fp8 states the whole sample dequantized (a float32 copy)."""
+        return self.raw(name) if "scale" not in self.header[name] else self.rows(name, 0, self.header[name]["shape"][0])
+
+    def scale(self, name: str) -> torch.Tensor | None:
+        """fp8 states' [T, L] scales (a copy), else None."""
+        entry = self.header[name]
+        return torch.from_numpy(np.array(self._entry_view(entry["scale"]))) if "scale" in entry else None
 
     def tensor(self, name: str, rows=None) -> torch.Tensor:
         """A copy as a torch tensor (`rows`: only those indices of the first dimension)."""
         view = self.numpy(name)
         out = torch.from_numpy(np.array(view if rows is None else view[rows]))
-        return out.view(torch.bfloat16) if self.header[name]["dtype"] == "BF16" else out
+        return out.view(torch.bfloat16) if self.kind(name) == "BF16" else out
 
 
 def read_final_rows(shard: ShardView, chosen: list, layer: int, hidden: int, staging: StagingBuffer | None = None) -> torch.Tensor:

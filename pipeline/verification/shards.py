@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from pipeline.hidden_states import fp8
+from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.layout import HIDDEN_STATES_DIR
 from pipeline.params import VerifyParams
 from pipeline.verification.reference.model import DTYPES
@@ -47,8 +49,8 @@ def check_structure_and_values(
     report: Report, params: VerifyParams, meta: dict, prepared, head_model, hidden_size: int, workers: int, embedding=None
 ) -> dict[int, Path]:
     layer_ids = meta["layer_ids"]
-    dtype = DTYPES[meta["dtype"]]
-    itemsize = torch.tensor([], dtype=dtype).element_size()
+    stored_fp8 = meta["dtype"] == fp8.STORAGE_DTYPE
+    dtype = torch.float32 if stored_fp8 else DTYPES[meta["dtype"]]  # what the scan reads: fp8 dequantized
     files = sorted(HIDDEN_STATES_DIR.glob("shard-*.safetensors"))
     orphans = [p for p in HIDDEN_STATES_DIR.glob("shard-*.json") if not p.with_suffix(".safetensors").is_file()]
     for p in orphans:
@@ -57,13 +59,13 @@ def check_structure_and_values(
         report.fail("structure", f"no shards in {HIDDEN_STATES_DIR}")
     audit = audit_selection([p.stem for p in files], params)
     context = ScanContext(
-        layer_ids, hidden_size, dtype, PreparedTokens(prepared), head_model,
+        layer_ids, hidden_size, dtype, PreparedTokens(prepared), head_model, stored_dtype=fp8.TORCH_DTYPE if stored_fp8 else None,
         audit=audit, hash_all=params.hash_all_shards,
         final_state_positions=params.final_state_positions_per_shard, seed=params.seed,
     )
     t0 = time.perf_counter()
     if embedding is not None and files:
-        context.coherence = fit_coherence(files, layer_ids, hidden_size, embedding, prepared, params)
+        context.coherence = fit_coherence(files, layer_ids, hidden_size, embedding, prepared, params, stored_fp8)
         report.summary["coherence_fit_seconds"] = round(time.perf_counter() - t0, 3)
     t0 = time.perf_counter()
     # the scan threads' page-locked buffers, sized by the run's shape, not its data: a fixed cost, reported apart
@@ -102,7 +104,7 @@ def check_structure_and_values(
     check_outlier_shards(report, layer_ids)
     check_samples(report, [(scan.name, s) for scan in scans for s in scan.sample_scores], context.coherence, params)
 
-    min_bytes = len(layer_ids) * hidden_size * itemsize + 8 + 1  # hidden states + int64 id + uint8 mask
+    min_bytes = state_bytes_per_token(len(layer_ids), hidden_size, meta["dtype"]) + 8 + 1  # states (+ fp8 scales) + id + mask
     bytes_per_token = total_bytes / max(total_tokens, 1)
     report.summary.update(
         num_shards=len(files),

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from pipeline.errors import PipelineError
 from pipeline.hidden_states.format import read_header, read_manifest
 from pipeline.verification.reference.model import tensor_locations
 from pipeline.verification.samples.scores import Coherence
@@ -35,10 +36,11 @@ def load_embedding(path: Path, trust_remote_code: bool = False, device: str | No
         return f.get_tensor(found)
 
 
-def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params) -> Coherence:
+def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, embedding: torch.Tensor, prepared, params,
+                  quantized: bool = False) -> Coherence:
     """Fit the predictors on up to `coherence_fit_tokens` sampled rows of seeded samples (samples of
     the wrong shape are left to the structure check)."""
-    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed)
+    coherence = Coherence(layer_ids, embedding, params.sample_stride, params.seed, quantized)
     want = (len(prepared), len(layer_ids), hidden_size)
     order = sorted(files)
     random.Random(params.seed).shuffle(order)
@@ -49,11 +51,11 @@ def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, emb
             try:
                 manifest = read_manifest(path)
                 header, start = read_header(path)
-            except (OSError, ValueError, KeyError):
+            except (OSError, ValueError, KeyError, PipelineError):  # a newer format version: the scan reports it
                 continue
             view = ShardView(np.memmap(path, dtype=np.uint8, mode="r"), header, start)
             for sid in manifest.get("sample_ids", []):
-                entry = header.get(f"{sid}/hidden_states")
+                entry = view.header.get(f"{sid}/hidden_states")  # fp8 states under this name too (logical header)
                 ids_entry = header.get(f"{sid}/input_ids")
                 if entry is None or ids_entry is None or not 0 <= sid < want[0] or len(entry["shape"]) != 3 \
                         or tuple(entry["shape"][1:]) != want[1:] or entry["shape"][0] != ids_entry["shape"][0]:
@@ -62,7 +64,7 @@ def fit_coherence(files: list[Path], layer_ids: list[int], hidden_size: int, emb
                     continue
                 ids = view.tensor(f"{sid}/input_ids")
                 rows = np.array(view.numpy(f"{sid}/hidden_states")[1:])  # every position but the first: more rows per sample
-                _, x = coherence.inputs(rows, entry["dtype"], ids[1:].clamp(0, len(embedding) - 1))
+                _, x = coherence.inputs(rows, view.kind(f"{sid}/hidden_states"), ids[1:].clamp(0, len(embedding) - 1))
                 if not torch.isfinite(x).all():
                     continue  # left to the values check
                 yield coherence.fold(sid), sid, x
