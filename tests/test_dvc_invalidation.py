@@ -31,6 +31,8 @@ from pipeline.workflow import invalidation
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 ALL = {"check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval"}
+# a train.lr other than the default's, whatever the default is
+OTHER_LR = 2 * yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["lr"]
 TINY = {
     "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
                            "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
@@ -251,7 +253,7 @@ def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(pro
     set_param(project, "data", "seq_len", 200)
     assert reproduce(project) == {"check", "regenerate", "prepare", "extract", "verify", "train", "eval"}
 
-    set_param(project, "train", "lr", 0.001)
+    set_param(project, "train", "lr", OTHER_LR)
     assert reproduce(project) == {"check", "train", "eval"}
 
     # the verdict is deterministic, so a verify-only change that passes again stops at verify
@@ -388,7 +390,7 @@ def test_killed_training_then_a_param_changed_back_restores_the_finished_draft(p
     from tests.test_recovery import kill_when, retype, up_to_date
 
     before = draft_files(project)
-    set_param(project, "train", "lr", 0.001)
+    set_param(project, "train", "lr", OTHER_LR)
     kill_when(project, KEPT_EPOCH_0, "repro", "train")
     set_param(project, "train", "lr", yaml.safe_load((ROOT / "params.yaml").read_text())["train"]["lr"])
     out = retype(project, "repro", "train")

@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_dvc_invalidation import ALL, TINY, merge, reproduce, set_param
+from tests.test_dvc_invalidation import ALL, OTHER_LR, TINY, merge, reproduce, set_param
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -248,7 +248,7 @@ def test_teammate_pulls_then_repro_runs_nothing_and_lr_reruns_only_train(origin,
     assert reproduce(clone) == set(), "after dvc pull nothing is stale"
     assert ran(run_log, start) == []
 
-    set_param(clone, "train", "lr", 0.001)
+    set_param(clone, "train", "lr", OTHER_LR)
     assert reproduce(clone) == {"check", "train", "eval"}
     assert sorted(ran(run_log, start)) == ["check", "eval", "train"]
 
