@@ -2,11 +2,11 @@
 
 Every tracked text file of the product (README, docs, code, tests, bench, params, dvc.yaml, Makefile, docker,
 examples, CI) is searched for the words of a development log: a numbered session, a bare "session", one of this
-project's issue or pull-request numbers ("issue 7", "#7"), a numbered GPU call, and work "owed". A reader outside
+project's issue or pull-request numbers (the word and a number, or a hash and a number), a numbered GPU call, and work "owed". A reader outside
 the project cannot look any of them up. A figure carries its date, commit, machine and command instead.
 
-Allowed: another project's issue or pull request, named as such ("vLLM issue #123", "PyTorch PR #456",
-"pytorch/pytorch#789", a github.com link), and "session" where it is an operating-system, pytest or Ray term.
+Allowed: another project's issue or pull request, named as such (the project's name just before the word,
+owner/repo and a hash, a github.com link), and "session" where it is an operating-system, pytest or Ray term.
 The patterns are built from pieces so that this file does not match itself; it is also left out of the search.
 """
 
@@ -28,11 +28,11 @@ SESSION, ISSUE, CALL, OWED = "sess" + "ion", "iss" + "ue", "ca" + "ll", "ow" + "
 NUMBER = r"#?\d+\b"
 HISTORY = re.compile(
     "|".join([
-        rf"\b{SESSION}s?\b",                                 # "session 7", "this session", "sessions 23-25"
-        rf"\b{ISSUE}s?[\s-]+{NUMBER}",                       # "issue 20", "issue #20", a heading anchor "...-issue-29"
+        rf"\b{SESSION}s?\b",                                 # a numbered or a bare session
+        rf"\b{ISSUE}s?[\s-]+{NUMBER}",                       # the word and a number, with or without a hash; a heading anchor
         rf"\b(?:PRs?|pull requests?)\s+{NUMBER}",            # "PR 12", "PR #12"
         r"(?<![\w/&#])#\d+\b",                               # "#12" (not "owner/repo#12", "&#12;", "##")
-        rf"\b{CALL}s?\s+\d+\b",                              # "call 4"
+        rf"\b{CALL}s?\s+\d+\b",                              # a numbered call
         rf"\b{OWED}\b",                                      # "the run is owed"
     ]),
     re.IGNORECASE,

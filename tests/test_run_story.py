@@ -18,27 +18,14 @@ from pathlib import Path
 import pytest
 import yaml
 
+from tests.test_dvc_invalidation import TINY, merge
+
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 STAGES = ("check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval")
-TINY = {
-    "model": {"embedded": {"num_layers": 8, "hidden_size": 64, "num_heads": 2, "num_kv_heads": 1,
-                           "intermediate_size": 128, "train_steps": 30, "train_batch_size": 8, "train_seq_len": 128}},
-    "data": {"max_samples": 24, "seq_len": 256},
-    "extract": {"samples_per_shard": 8},
-    "verify": {"reference_samples": 2},
-    "train": {"epochs": 1},
-    "eval": {"num_prompts": 2, "max_tokens": 8},
-}
 # vLLM's log lines ("INFO 12-06 14:34:48 [model.py:733] ...", also behind a "(EngineCore pid=1)" prefix),
 # speculators' rich log ("INFO     Training epoch 1/1 started") and Python's warnings
 ENGINE_LINE = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d|INFO\s+Training epoch|UserWarning|Attempted to load weight")
-
-
-def merge(base: dict, extra: dict) -> dict:
-    for key, value in extra.items():
-        base[key] = merge(base.get(key, {}), value) if isinstance(value, dict) else value
-    return base
 
 
 def make(root: Path, target: str) -> subprocess.CompletedProcess:
