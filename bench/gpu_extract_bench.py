@@ -25,6 +25,10 @@ unpack lines; bench/README.md the command behind each figure. One host, one GPU 
   peer      the 8B shape on 262,144 tokens (256 x 512 + 64 x 2048): our extract stage, speculators' server + client
             on the same prompts and engine settings (gpu_jobs/job_peer.py), plain prefill, our verify (cold process);
             removes the dense workload's shards first (the disk)
+  fp8_peer, fp8_seed
+            bf16 against fp8 shards at the 8B shape (the peer workload) or at Kimi-K2.5's width (the seed's): the stage
+            storing fp8, the stage storing bf16, plain prefill, verify on every fp8 shard; against the disk's rates
+            that `shard_write_bench.py --json F` measured before, in the same call (`--disk-json F`)
   pipeline  every stage through `dvc repro` with params.gpu.yaml, in a project outside the checkout that a later
             call on the same warm machine resumes (gpu_jobs/job_pipeline.py)
   dvccost, dvccost_link
@@ -131,7 +135,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench-out"))
     ap.add_argument("--work", default="/tmp/eagle3-bench")
-    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, peer, pipeline, dvccost, dvccost_link")
+    ap.add_argument("--jobs", default="dense", help="comma list of: dense, moe, tune, baseline, verifyall, sens, tp, moe_tp, ray, seed, peer, fp8_peer, fp8_seed, pipeline, dvccost, dvccost_link")
     ap.add_argument("--pipeline-dir", default=None,
                     help="pipeline: the DVC project that outlives the call (default /tmp/pipeline21; smoke: under --work)")
     ap.add_argument("--seed-depth", type=int, default=4, help="seed: decoder layers of the Kimi-K2.5-shaped target")
@@ -145,6 +149,7 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="count the steps an earlier call finished under --work as done")
     ap.add_argument("--skip", default="", help="comma list of steps not to run, e.g. hf:dense")
     ap.add_argument("--eager", action="store_true", help="dense runs of tp/ray in eager mode too (shorter start-up)")
+    ap.add_argument("--disk-json", default=None, help="fp8_*: the disk's rates, from shard_write_bench.py --json in the same call")
     ap.add_argument("--child", default=None)
     ap.add_argument("--state", default=None)
     ap.add_argument("--result", default=None)

@@ -130,6 +130,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=min(32, os.cpu_count() or 1),
                     help="shard threads (default: the extract stage's, one per core up to 32)")
     ap.add_argument("--compare-save-file", action="store_true")
+    ap.add_argument("--json", type=Path, help="also write every measurement here (the GPU bench's fp8 job reads it)")
     a = ap.parse_args()
 
     threads = a.threads
@@ -154,8 +155,10 @@ def main() -> None:
         for n in sorted({1, threads}):
             r = shard_rates(a.dir / "shards", samples, count if n > 1 else 4, n, writer)
             rows.append(emit({"what": name, "threads": n, **r, "of_disk_best": round(r["gb_per_s"] / best, 3)}))
-    emit({"summary": True, "disk_best_gb_per_s": best, "shard_bytes": rows[-1]["bytes"] // count,
-          **{f"{r['what']} x{r['threads']}": r["of_disk_best"] for r in rows}})
+    summary = emit({"summary": True, "disk_best_gb_per_s": best, "shard_bytes": rows[-1]["bytes"] // count,
+                    **{f"{r['what']} x{r['threads']}": r["of_disk_best"] for r in rows}})
+    if a.json:
+        a.json.write_text(json.dumps({**summary, "disk": disk, "writers": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

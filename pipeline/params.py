@@ -155,7 +155,7 @@ class ExtractParams(_Section):
         description="How the hidden states are computed and stored. float32/bfloat16/float16: vLLM computes in it and the "
         "shards hold it (format version 1). float8_e4m3: vLLM computes in bfloat16 and the shards hold e4m3 values with "
         "one fp32 scale per token and layer (format version 2, docs/FORMAT.md): L x (H + 4) bytes per token, <= 0.52x "
-        "of bf16 where H >= 100 + 108/L; quantized on the host in the shard threads today; every reader dequantizes.",
+        "of bf16 where H >= 100 + 108/L; quantized where the engine computed it (on the GPU there); every reader dequantizes.",
     )
     max_num_seqs: int = Field(64, gt=0, description="Requests batched per engine step.")
     max_num_batched_tokens: int = Field(2048, gt=0)

@@ -181,6 +181,23 @@ def test_fp8_extraction_writes_version_2_at_half_the_bytes(fp8_root: Path, extra
 
 
 @pytest.mark.slow
+def test_fp8_states_are_the_engines_bf16_states_quantized(fp8_root: Path, project_root: Path, tmp_path_factory):
+    """The connector quantizes what the engine captured, with the project's quantizer, before the states leave the
+    engine's process: an fp8 run stores exactly `fp8.quantize` of a bf16 run's states, sample for sample."""
+    bf16 = copy_project(project_root, tmp_path_factory.mktemp("bf16"), layout.TARGET_JSON, layout.PREPARED_DIR)
+    run_stage(bf16, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})
+    compared = 0
+    for shard in shards(fp8_root):
+        stored, ref = load_file(str(shard)), load_file(str(bf16 / layout.HIDDEN_STATES_DIR / shard.name))
+        for sid in read_manifest(shard)["sample_ids"]:
+            q, scale = fp8.quantize(ref[f"{sid}/hidden_states"])
+            assert torch.equal(stored[f"{sid}/hidden_states_fp8"].view(torch.uint8), q.view(torch.uint8)), sid
+            assert torch.equal(stored[f"{sid}/hidden_states_scale"], scale), sid
+            compared += 1
+    assert compared == sum(len(read_manifest(p)["sample_ids"]) for p in shards(fp8_root)) > 0
+
+
+@pytest.mark.slow
 def test_clean_fp8_extraction_passes_with_derived_tolerances(project: Path):
     metrics = verify(project, audit_fraction=1.0)
     assert metrics["passed"] and metrics["dtype"] == FP8, metrics

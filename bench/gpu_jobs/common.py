@@ -149,6 +149,9 @@ RUNS = {
     "ray2": {"workload": "tp", "extract": {"engine": "ray", "replicas": 2}, "base": "tp1"},
     "moetp2": {"workload": "moe", "extract": {"tensor_parallel_size": 2}},
     "moeep2": {"workload": "moe", "extract": {"tensor_parallel_size": 2, "expert_parallel": True}, "base": "moetp2"},
+    # the fp8 job: the workload's stage again with the states stored as fp8 (the engine computes in bf16 either way)
+    "peer_fp8": {"workload": "peer", "extract": {"dtype": "float8_e4m3"}},
+    "seed_fp8": {"workload": "seed", "extract": {"dtype": "float8_e4m3"}},
 }
 
 

@@ -19,15 +19,15 @@ def _engine_params(state: dict, name: str):
 
     spec = state[f"spec_{name}"]
     eng = SMOKE_ENGINE if state["smoke"] else ENGINE
-    return ExtractParams(
-        layer_ids=layer_ids_of(state, name),
-        dtype="bfloat16",
-        samples_per_shard=spec["samples_per_shard"],
-        max_num_seqs=eng["max_num_seqs"],
-        max_num_batched_tokens=eng["max_num_batched_tokens"],
-        gpu_memory_utilization=eng["gpu_memory_utilization"],
-        **state.get(f"extract_{name}", {}),  # a multi-GPU run's own params (RUNS)
-    )
+    return ExtractParams(**{
+        "layer_ids": layer_ids_of(state, name),
+        "dtype": "bfloat16",
+        "samples_per_shard": spec["samples_per_shard"],
+        "max_num_seqs": eng["max_num_seqs"],
+        "max_num_batched_tokens": eng["max_num_batched_tokens"],
+        "gpu_memory_utilization": eng["gpu_memory_utilization"],
+        **state.get(f"extract_{name}", {}),  # a run's own params (RUNS: multi-GPU, fp8)
+    })
 
 
 def _patch_eager_for_moe(state: dict, name: str) -> None:
@@ -170,5 +170,13 @@ def _stage_once(state: dict, name: str, extract) -> dict:
     ]
     ws = TL["shards"]
     summary["shard_write_gb_s_per_thread"] = round(sum(s[3] for s in ws) / sum(s[1] - s[0] for s in ws) / 1e9, 3)
+    # the stage's write rate: its bytes over the time at least one shard write was in flight (what the disk's own
+    # rate, measured by bench/shard_write_bench.py in the same call, bounds)
+    busy_s, end = 0.0, float("-inf")
+    for a, b in sorted((s[0], s[1]) for s in ws):
+        busy_s += max(0.0, b - max(a, end))
+        end = max(end, b)
+    summary["shard_write_busy_s"] = round(busy_s, 3)
+    summary["shard_write_gb_s"] = round(sum(s[3] for s in ws) / busy_s / 1e9, 3)
     log(f"stage {name}: {json.dumps({k: v for k, v in summary.items() if k not in ('shard_writes', 'stage_metrics')})}")
     return summary

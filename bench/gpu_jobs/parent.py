@@ -341,11 +341,11 @@ class Bench:
                 pair = checks[i : i + 2]
                 self.children([(job, limit, min_s, str(k)) for k, (job, limit, min_s) in enumerate(pair)])
 
-    def run_seed(self) -> None:
-        """The seed's shape built on the GPU, extracted, prefilled plainly, verified under a
-        budget below its size, and planned; bad params fail here, before any child touches the GPU."""
+    def build_seed(self) -> float | None:
+        """The seed's shape checked (bad params fail here, before any child touches the GPU) and built; verify's
+        reference budget for it (None: not built)."""
         from gpu_jobs.common import SEED_REFERENCE_GIB, layer_ids_of
-        from gpu_jobs.job_seed import seed_figures, smoke_budget_gib
+        from gpu_jobs.job_seed import smoke_budget_gib
         from pipeline.embedded.seed_shape import check_reference_budget
 
         smoke, fast = self.args.smoke, 10 if self.args.smoke else None
@@ -358,11 +358,48 @@ class Bench:
                                        "layer_ids": layer_ids_of(self.state, "seed"), "reference_gib": budget}
         self.child("build:seed", 300, fast or 60)
         if "build:seed" not in self.results["jobs"]:
-            return
+            return None
         if smoke and budget is None:  # the tiny model: just above the smallest budget, so the experts go in chunks
             budget = smoke_budget_gib(Path(self.state["models"]) / "seed", max(spec["len_a"], spec["len_b"]))
             self.results["seed_params"]["reference_gib"] = budget
         self.state["reference_gib_seed"] = budget
+        return budget
+
+    def run_fp8(self, workload: str) -> None:
+        """bf16 against fp8 shards on one workload (peer: the 8B shape, 262,144 tokens; seed: Kimi-K2.5's width):
+        the stage storing fp8, the stage storing bf16, plain prefill on the same engine settings, verify on every
+        fp8 shard; the figures against the disk's rate from --disk-json (gpu_jobs/job_fp8.py)."""
+        from gpu_jobs.job_fp8 import fp8_figures
+
+        fast = 10 if self.args.smoke else None
+        fp8_run = f"{workload}_fp8"
+        if workload == "seed":
+            budget = self.build_seed()
+            if budget is None:
+                return
+            self.state[f"reference_gib_{fp8_run}"] = budget
+        elif "build:dense" not in self.results["jobs"]:
+            self.child("build:dense", 240, fast or 60)
+        self.prepare_project(workload)
+        if not self.prepare_run(fp8_run):
+            return
+        start_s = 100 if workload == "seed" else 170  # engine start-up (eager at the seed's shape) and the run
+        self.child(f"stage:{fp8_run}", 300, fast or start_s)
+        self.child(f"stage:{workload}", 300, fast or start_s)
+        self.child(f"plain:{workload}", 240, fast or start_s - 40)
+        self.child(f"verify:{fp8_run}", 300, fast or 60)
+        self.results[f"fp8_{workload}"] = fp8_figures(self.results["jobs"], workload, self.args.disk_json)
+        log(f"fp8 {workload}: {json.dumps(self.results[f'fp8_{workload}'], default=str)}")
+        self.save()
+
+    def run_seed(self) -> None:
+        """The seed's shape built on the GPU, extracted, prefilled plainly, verified under a
+        budget below its size, and planned."""
+        from gpu_jobs.job_seed import seed_figures
+
+        fast = 10 if self.args.smoke else None
+        if self.build_seed() is None:
+            return
         self.prepare_project("seed")
         self.child("plan:seed", 90, fast or 15)
         self.child("stage:seed", 300, fast or 100)
@@ -459,6 +496,9 @@ class Bench:
             self.run_parallel(jobs)
         if "seed" in jobs:
             self.run_seed()
+        for workload in ("peer", "seed"):
+            if f"fp8_{workload}" in jobs:
+                self.run_fp8(workload)
         if "peer" in jobs:
             self.run_peer()
         if "pipeline" in jobs:

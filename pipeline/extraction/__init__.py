@@ -6,7 +6,7 @@
 - `engine`: one vLLM engine fed with the samples, its captures checked and written as shards;
 - `ray`: the same shards computed by several engines on a Ray cluster (extract.engine: ray);
 - `vllm_compat`: all vLLM-version-specific code (extract; check, regenerate and eval);
-- `hs_connector`: the CPU-safe hidden-states KV connector vLLM loads by its module path.
+- `hs_connector`: the hidden-states KV connector vLLM loads by its module path (CPU-safe; quantizes fp8 states where they are).
 
 The extract stage (pipeline/stages/extract.py; dvc.yaml names this folder as its code), the other stages
 that use vLLM, `python -m pipeline plan` (pipeline/planning/plan.py) and bench/ use these modules; none of

@@ -58,8 +58,8 @@ class Progress:
 def to_sample(
     sid: int, input_ids: list[int], loss_mask: list[int], data: dict, shape: tuple[int, int], dtype: str | None = None
 ) -> shards.Sample:
-    """vLLM's capture of one request, checked, as the sample to write (`dtype`: extract.dtype; float8_e4m3 is
-    quantized here, where the tensor is: on the host today, pipeline/hidden_states/fp8.py)."""
+    """vLLM's capture of one request, checked, as the sample to write (`dtype`: extract.dtype; float8_e4m3 states
+    arrive quantized by the connector, on the GPU where the engine runs on one: pipeline/extraction/hs_connector.py)."""
     got = data["token_ids"].tolist()
     if got != input_ids:
         first = next(
@@ -74,13 +74,18 @@ def to_sample(
         raise PipelineError(
             f"sample {sid}: {len(loss_mask)} loss_mask entries for {len(input_ids)} tokens; re-run prepare"
         )
-    hs = data["hidden_states"]
+    stored_fp8 = fp8.STATES_KEY in data
+    if stored_fp8 != (dtype == fp8.STORAGE_DTYPE):
+        raise PipelineError(f"sample {sid}: vLLM's file holds {sorted(data)}, not the states of extract.dtype {dtype}")
+    hs = data[fp8.STATES_KEY] if stored_fp8 else data["hidden_states"]
     if tuple(hs.shape) != (len(input_ids), *shape):
         raise PipelineError(f"sample {sid}: hidden_states shape {tuple(hs.shape)}, expected {(len(input_ids), *shape)}")
     ids = torch.tensor(input_ids, dtype=torch.int64)
     scale = None
-    if dtype == fp8.STORAGE_DTYPE:  # stored as fp8; its statistics are of the dequantized values (a non-finite
-        hs, scale = fp8.quantize(hs)  # value makes its row NaN there, so the finite check below still sees it)
+    if stored_fp8:  # its statistics are of the dequantized values (a non-finite value made its row NaN there, so
+        scale = data[fp8.SCALE_KEY]  # the finite check below still sees it)
+        if tuple(scale.shape) != tuple(hs.shape[:-1]):
+            raise PipelineError(f"sample {sid}: fp8 scales of shape {tuple(scale.shape)} for states {tuple(hs.shape)}")
         stats = shard_stats.sample_stats(fp8.dequantize(hs, scale))
     else:
         # one pass over the tensor while it is in memory: the manifest's record, and the finite check
@@ -145,6 +150,7 @@ def start_engine(
         layer_ids=layer_ids,
         scratch_dir=scratch,
         dtype=shards.engine_dtype(params.dtype),  # fp8 is a storage format: the engine computes in bf16
+        quantize_fp8=params.dtype == fp8.STORAGE_DTYPE,  # and its connector quantizes what it captured
         max_model_len=max_model_len,
         max_num_seqs=params.max_num_seqs,
         max_num_batched_tokens=params.max_num_batched_tokens,

@@ -104,17 +104,21 @@ def configure_process_env(cpu_kvcache_gib: int, model: Path, max_model_len: int)
     os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "0"
 
 
-def kv_transfer_config(scratch_dir: Path) -> dict[str, Any]:
+def kv_transfer_config(scratch_dir: Path, quantize_fp8: bool = False) -> dict[str, Any]:
+    """The stock connector on a GPU storing states as computed; the project's (pipeline/extraction/hs_connector.py)
+    on CPU, and wherever the states are stored as fp8: it quantizes them where they are, before they leave the GPU."""
     cfg: dict[str, Any] = {
         "kv_connector": STOCK_CONNECTOR,
         "kv_role": "kv_producer",
         "kv_connector_extra_config": {"shared_storage_path": str(scratch_dir)},
     }
-    if not on_cuda():
+    if quantize_fp8 or not on_cuda():
         from pipeline.extraction import hs_connector
 
         cfg["kv_connector"] = hs_connector.CONNECTOR_NAME
         cfg["kv_connector_module_path"] = hs_connector.__name__
+        if quantize_fp8:
+            cfg["kv_connector_extra_config"][hs_connector.STORAGE_KEY] = "fp8"
     return cfg
 
 
@@ -133,6 +137,7 @@ def engine_kwargs(
     gpu_memory_utilization: float = 0.9,
     trust_remote_code: bool = False,
     distributed_executor_backend: str | None = None,
+    quantize_fp8: bool = False,
 ) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "model": str(model),
@@ -152,7 +157,7 @@ def engine_kwargs(
             "num_speculative_tokens": 1,
             "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": list(layer_ids)}},
         },
-        "kv_transfer_config": kv_transfer_config(scratch_dir),
+        "kv_transfer_config": kv_transfer_config(scratch_dir, quantize_fp8),
     }
     if expert_parallel:  # MoE: experts spread over the TP ranks (0.26 and 0.32: EngineArgs.enable_expert_parallel)
         kwargs["enable_expert_parallel"] = True
@@ -426,7 +431,8 @@ def _unlocked(path: str) -> bool:
 
 
 def read_hidden_states(path: str) -> dict[str, torch.Tensor]:
-    """Load one finished request file ({"hidden_states": [T, L, H], "token_ids": [T]}) and delete it."""
+    """Load one finished request file and delete it: {"hidden_states": [T, L, H], "token_ids": [T]}, or for states
+    the connector stored as fp8 {"hidden_states_fp8": [T, L, H], "hidden_states_scale": [T, L], "token_ids": [T]}."""
     from safetensors.torch import load_file
 
     data = load_file(path)

@@ -47,7 +47,7 @@ from pipeline.hidden_states.storage import engine_dtype, format_version  # noqa:
 FORMAT_NAME = "eagle3-pipeline/hidden-states"
 FORMAT_VERSION = 2  # the newest this code writes and reads; version 1 (no fp8) is read too and still written
 FP8_FORMAT_VERSION = format_version(fp8.STORAGE_DTYPE)
-FP8_SUFFIX, SCALE_SUFFIX = "/hidden_states_fp8", "/hidden_states_scale"
+FP8_SUFFIX, SCALE_SUFFIX = "/" + fp8.STATES_KEY, "/" + fp8.SCALE_KEY
 LAYER_ID_CONVENTION = (
     "vllm: id k = hidden state entering decoder layer k (0 = embeddings output); "
     "id N = last decoder layer's output BEFORE the final norm"

@@ -15,8 +15,8 @@ plus the fp32 product's rounding (2^-24 relative). A non-finite value is never h
 row too where the device's amax propagates NaN), an Inf makes its row's scale Inf and the whole row NaN after
 dequantization (e4m3fn has no Inf).
 
-Both functions are torch operations on whatever device the tensor is on: the extract stage calls `quantize` on the
-host today (in its shard threads, on the tensor read from vLLM's file); a GPU path can call it on the device tensor.
+Both functions are torch operations on whatever device the tensor is on: the extract stage's connector calls
+`quantize` on the GPU, before the states leave it (on the host rows on CPU: pipeline/extraction/hs_connector.py).
 """
 
 from __future__ import annotations
@@ -31,6 +31,8 @@ E4M3_MAX = 448.0
 REL_ERROR = 2.0**-4  # round to nearest, 3 mantissa bits
 SUBNORMAL_ABS_ERROR = 2.0**-10  # half the subnormal step, in units of the scale
 ENGINE_DTYPE = storage.FP8_ENGINE_DTYPE  # the engine computes in it; fp8 is only how its output is stored
+# the names fp8 states are stored under: bare in vLLM's request files, after "{sample_id}/" in shards
+STATES_KEY, SCALE_KEY = "hidden_states_fp8", "hidden_states_scale"
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
