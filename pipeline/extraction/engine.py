@@ -82,11 +82,11 @@ def to_sample(
         raise PipelineError(f"sample {sid}: hidden_states shape {tuple(hs.shape)}, expected {(len(input_ids), *shape)}")
     ids = torch.tensor(input_ids, dtype=torch.int64)
     scale = None
-    if stored_fp8:  # its statistics are of the dequantized values (a non-finite value made its row NaN there, so
-        scale = data[fp8.SCALE_KEY]  # the finite check below still sees it)
-        if tuple(scale.shape) != tuple(hs.shape[:-1]):
-            raise PipelineError(f"sample {sid}: fp8 scales of shape {tuple(scale.shape)} for states {tuple(hs.shape)}")
-        stats = shard_stats.sample_stats(fp8.dequantize(hs, scale))
+    if stored_fp8:  # the connector computed the statistics, of the dequantized values (a non-finite value made its
+        scale, stats = data[fp8.SCALE_KEY], data[fp8.STATS_KEY].numpy()  # row NaN there: the finite check sees it)
+        if tuple(scale.shape) != tuple(hs.shape[:-1]) or stats.shape != (hs.shape[1], len(shard_stats.FIELDS)):
+            raise PipelineError(f"sample {sid}: fp8 scales {tuple(scale.shape)} and statistics {stats.shape} "
+                                f"for states {tuple(hs.shape)}")
     else:
         # one pass over the tensor while it is in memory: the manifest's record, and the finite check
         stats = shard_stats.sample_stats(hs)

@@ -14,7 +14,8 @@ It does two things the stock connector does not, and nothing else:
 The file protocol is the stock one: one safetensors file per request, guarded by an exclusive
 flock on `<file>.lock` until it is written, holding `token_ids` [T] and either `hidden_states`
 [T, L, H] (as computed) or, for fp8, `hidden_states_fp8` [T, L, H] float8_e4m3fn with
-`hidden_states_scale` [T, L] float32.
+`hidden_states_scale` [T, L] float32 and `hidden_states_stats` [L, 4] float64, the statistics the manifest
+records, of the dequantized values (so the shard threads do no arithmetic on fp8 states).
 
 vLLM selects the stock connector for a GPU run stored as computed (vllm_compat.kv_transfer_config).
 The attributes used here (`_get_copy_stream`, `_lock_fds`, `_executor`, `_write_tensors`,
@@ -60,14 +61,30 @@ def _gpu_sync_allowed():
     return gpu_sync_allowed()
 
 
-def quantize_rows(hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, L, H] states -> (q [T, L, H] float8_e4m3fn, scale [T, L] float32), a block of tokens at a time, on
-    the states' device."""
+def quantize_rows(hidden: torch.Tensor) -> dict[str, torch.Tensor]:
+    """[T, L, H] states -> the request file's fp8 tensors, on the states' device, a block of tokens at a time:
+    q [T, L, H] float8_e4m3fn, scale [T, L] float32, and the manifest's per-layer statistics of the dequantized
+    values, [L, 4] float64 (pipeline/hidden_states/stats.py: sum, sum of squares, min, max; NaN propagates into
+    min and max). Computed here, the host never holds a float copy of the states."""
+    T, L, _ = hidden.shape
     q = torch.empty(hidden.shape, dtype=fp8.TORCH_DTYPE, device=hidden.device)
-    scale = torch.empty(hidden.shape[:-1], dtype=torch.float32, device=hidden.device)
-    for lo in range(0, hidden.shape[0], QUANTIZE_TOKENS):
-        q[lo : lo + QUANTIZE_TOKENS], scale[lo : lo + QUANTIZE_TOKENS] = fp8.quantize(hidden[lo : lo + QUANTIZE_TOKENS])
-    return q, scale
+    scale = torch.empty((T, L), dtype=torch.float32, device=hidden.device)
+    sums = torch.zeros((L, 2), dtype=torch.float64, device=hidden.device)
+    lows, highs = [], []
+    for lo in range(0, T, QUANTIZE_TOKENS):
+        hi = min(T, lo + QUANTIZE_TOKENS)
+        q[lo:hi], scale[lo:hi] = fp8.quantize(hidden[lo:hi])
+        x = fp8.dequantize(q[lo:hi], scale[lo:hi]).transpose(0, 1).reshape(L, -1)  # [L, t H] float32
+        sums[:, 0] += x.sum(dim=1, dtype=torch.float64)
+        sums[:, 1] += (x * x).sum(dim=1, dtype=torch.float64)  # fp32 squares, as the host's np.dot of fp32 rows
+        lows.append(x.amin(dim=1))
+        highs.append(x.amax(dim=1))
+    if T:
+        low, high = torch.stack(lows).amin(dim=0).double(), torch.stack(highs).amax(dim=0).double()
+    else:
+        low = torch.full((L,), float("inf"), dtype=torch.float64, device=hidden.device)
+        high = -low
+    return {fp8.STATES_KEY: q, fp8.SCALE_KEY: scale, fp8.STATS_KEY: torch.cat([sums, low[:, None], high[:, None]], dim=1)}
 
 
 class HiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
@@ -113,8 +130,7 @@ class HiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
         # so the rows stay valid after the scheduler frees and reuses the blocks.
         hidden = _stock.extract_from_kv_cache(self._kv_cache, self._slots(pending), pending.token_ids.shape[0])
         if self._fp8:
-            q, scale = quantize_rows(hidden)
-            return {fp8.STATES_KEY: q, fp8.SCALE_KEY: scale}
+            return quantize_rows(hidden)
         return {"hidden_states": hidden.contiguous()}
 
     def _copy_quantized_from_device(self, pending: _stock.PendingSave) -> tuple[dict[str, torch.Tensor], torch.cuda.Event]:
@@ -127,9 +143,8 @@ class HiddenStatesConnector(_stock.ExampleHiddenStatesConnector):
             with _gpu_sync_allowed():
                 slots = self._slots(pending).to(device=self._kv_cache.device, non_blocking=True)
             hidden = _stock.extract_from_kv_cache(self._kv_cache, slots, pending.token_ids.shape[0])
-            q, scale = quantize_rows(hidden)
             tensors = {}
-            for key, t in ((fp8.STATES_KEY, q), (fp8.SCALE_KEY, scale)):
+            for key, t in quantize_rows(hidden).items():
                 tensors[key] = torch.empty_like(t, device="cpu", pin_memory=True)
                 tensors[key].copy_(t, non_blocking=True)
         done = torch.cuda.Event()

@@ -33,6 +33,7 @@ SUBNORMAL_ABS_ERROR = 2.0**-10  # half the subnormal step, in units of the scale
 ENGINE_DTYPE = storage.FP8_ENGINE_DTYPE  # the engine computes in it; fp8 is only how its output is stored
 # the names fp8 states are stored under: bare in vLLM's request files, after "{sample_id}/" in shards
 STATES_KEY, SCALE_KEY = "hidden_states_fp8", "hidden_states_scale"
+STATS_KEY = "hidden_states_stats"  # in request files only: the statistics of the dequantized values, [L, 4]
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
