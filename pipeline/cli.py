@@ -77,9 +77,12 @@ for _stage in STAGES:
 @click.option("--since", type=float, help="Only the stages whose metrics were written at or after this Unix time "
               "(the Makefile passes the time `dvc repro` started).")
 def summary_cmd(since: float | None) -> None:
-    """What the stages that ran found: extraction, verification, the draft's tau, reports, how to share."""
+    """What the stages that ran found: extraction, verification, the draft's tau, reports, how to share; first,
+    what killed runs left beside results DVC restored from its cache (`make` runs this after `dvc repro`)."""
     from pipeline.workflow import summary
 
+    if tidied := tidy_other_stages():
+        console.say(f"tidied what a killed run left beside restored results: {', '.join(map(str, tidied))}")
     summary.main(since)
 
 

@@ -150,15 +150,17 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
         assert not report.failures(), report.findings
 
 
-def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_path: Path):
-    """bf16 with MoE routing flips: each sample's per-sample tests (pipeline/verification/samples/scores.py) raise
-    no alarm, and the clean run's highest window score stays below the threshold."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
+def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_path: Path, dtype: str):
+    """bf16 with MoE routing flips, stored as computed or as fp8: each sample's per-sample tests
+    (pipeline/verification/samples/scores.py) raise no alarm, the clean run's highest window score stays below the
+    threshold, and (fp8) every check passes with the quantization's tolerances."""
     project = copy_project(ds_extracted, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR)
-    run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})
+    run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": dtype})
     run_stage(project, "verify", **VERIFY)
     m = verify_metrics(project)
-    assert m["passed"] and m["dtype"] == "bfloat16" and m["checks"]["samples"] == "pass"
+    assert m["passed"] and m["dtype"] == dtype and m["checks"]["samples"] == "pass", m.get("failure")
     tests = m["sample_tests"]
     assert max(tests["max_z"]) < tests["z_threshold"]
-    print(f"bf16 DeepSeek-V3 per-sample tests: max z {max(tests['max_z']):.2f}, within {max(tests['max_within_z'] or [0]):.2f}, "
+    print(f"{dtype} DeepSeek-V3 per-sample tests: max z {max(tests['max_z']):.2f}, within {max(tests['max_within_z'] or [0]):.2f}, "
           f"threshold {tests['z_threshold']}")

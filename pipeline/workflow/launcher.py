@@ -68,10 +68,10 @@ def resumable(stage: str, params: Params, environ: Mapping[str, str]) -> tuple[P
     return RESUMABLE.get(stage, ())
 
 
-def tidy_other_stages(stage: str | None = None) -> None:
+def tidy_other_stages(stage: str | None = None) -> list[Path]:
     """Tidy what killed runs left beside the resumable outputs of every stage but `stage`
-    (pipeline/workflow/output_guard.py: a run-cache restore runs nothing that could)."""
-    tidy_left_behind([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
+    (pipeline/workflow/output_guard.py: a run-cache restore runs nothing that could); returns what went."""
+    return tidy_left_behind([o for s, outs in RESUMABLE.items() if s != stage for o in outs])
 
 
 @dataclass(frozen=True)

@@ -239,23 +239,31 @@ def scratch_path(out: Path) -> Path:
     return out.parent / f"{out.name}.scratch"
 
 
-def tidy_left_behind(outs: Sequence[Path]) -> None:
+def tidy_left_behind(outs: Sequence[Path]) -> list[Path]:
     """What killed runs left beside each of `outs` and nothing will use: vLLM's scratch folder, the
     lock file, and the kept links once they no longer link the output's files (DVC restored the
     cached result over a killed run's work). Links that still share their files with the output are
     a killed run's work, which `dvc repro` may yet resume (or delete and restore over): they stay.
-    An output whose stage is running (its lock is held) is left alone."""
+    An output whose stage is running (its lock is held) is left alone. Returns what it removed."""
+    removed = []
     for out in outs:
         work, scratch, lock = partial_path(out), scratch_path(out), lock_path(out)
         if not (work.exists() or scratch.exists() or lock.exists()):
             continue
+        had_lock = lock.exists()
         try:
             with output_locks("tidy", [out]):
-                shutil.rmtree(scratch, ignore_errors=True)
+                if scratch.exists():
+                    shutil.rmtree(scratch, ignore_errors=True)
+                    removed.append(scratch)
                 if work.is_dir() and out.is_dir() and not out.is_symlink():
                     kept = set(_files(work).items())
                     if not kept & set(_files(out).items()):
                         shutil.rmtree(work)
+                        removed.append(work)
         except PipelineError:  # its stage is running: leave its files alone
             continue
+        if had_lock and not lock.exists():
+            removed.append(lock)
     _drop_empty_partial_dir()
+    return removed
