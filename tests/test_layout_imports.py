@@ -226,10 +226,15 @@ PLUMBING = {
     "pipeline.workflow.invalidation": "the table the `params:` lists follow",
 }
 # ... and, per stage, modules imported for another stage's sake
+_CONNECTOR = {
+    "pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat",
+    "pipeline.hidden_states.fp8": "the connector's fp8 quantizer: extraction's storage, not this stage's",
+    "pipeline.hidden_states.storage": "the storage dtypes the fp8 quantizer names",
+}
 IMPORTED_ONLY = {
-    "check": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "regenerate": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
-    "eval": {"pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat"},
+    "check": _CONNECTOR,
+    "regenerate": _CONNECTOR,
+    "eval": _CONNECTOR,
     "train": {"pipeline.hidden_states.stats": "the statistics the shard format writes, not what it reads"},
 }
 
