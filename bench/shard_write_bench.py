@@ -11,8 +11,9 @@ defaults: Kimi-K2.5's width, 4 layers, 48 x 512 tokens) written by the extract s
 stage runs on this host (`pipeline.extraction.engine.shard_workers`), each shard durable (fsync'd
 and renamed) before it counts. `--compare-save-file` adds the same through safetensors' save_file
 followed by a SHA-256 read back from the file, the writer the stage had before it wrote from the
-tensors' own memory, and `write_shard` with the write-back left to the kernel (no POSIX_FADV_DONTNEED
-per block). Imports only torch, numpy and safetensors beside the project's shard writer, so it runs
+tensors' own memory. `write_shard` is measured as it writes (direct I/O where the filesystem allows it) and
+through the page cache (as where it does not), beside one thread's SHA-256 of the same bytes from memory, which
+bounds one thread's `write_shard`. Imports only torch, numpy and safetensors beside the project's shard writer, so it runs
 on a host without vLLM. Prints one JSON line per measurement, then a summary line with each rate as
 a fraction of the disk's best.
 """
@@ -20,6 +21,7 @@ a fraction of the disk's best.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import mmap
@@ -34,10 +36,12 @@ import numpy as np
 import torch
 
 from pipeline.atomic import atomic_path
+from pipeline.hidden_states import disk_write
 from pipeline.hidden_states import format as shards
 from pipeline.hidden_states import stats as shard_stats
 
 BLOCK = 64 << 20
+WRITE_FILE = disk_write.write_file
 
 
 def emit(record: dict) -> dict:
@@ -95,9 +99,20 @@ def save_file_then_hash(directory: Path, index: int, samples: list[shards.Sample
             h.update(block)
 
 
-def write_back_left_to_kernel(directory: Path, index: int, samples: list[shards.Sample]) -> None:
-    with unittest.mock.patch.object(os, "posix_fadvise", lambda *args: None):
+def through_the_page_cache(directory: Path, index: int, samples: list[shards.Sample]) -> None:
+    """`write_shard` as on a filesystem that refuses O_DIRECT."""
+    with unittest.mock.patch.object(disk_write, "write_file", functools.partial(WRITE_FILE, direct=False)):
         shards.write_shard(directory, index, samples, {})
+
+
+def sha256_rate(samples: list[shards.Sample]) -> dict:
+    """One thread hashing a shard's states from memory: what bounds one thread's `write_shard` from above."""
+    chunks = [s.hidden_states.reshape(-1).view(torch.uint8) for s in samples]
+    nbytes = sum(c.numel() for c in chunks)
+    t0 = time.perf_counter()
+    shards._sha256(chunks)
+    seconds = time.perf_counter() - t0
+    return {"bytes": nbytes, "seconds": round(seconds, 3), "gb_per_s": round(nbytes / seconds / 1e9, 3)}
 
 
 def shard_rates(folder: Path, samples: list[shards.Sample], count: int, threads: int, writer) -> dict:
@@ -146,11 +161,12 @@ def main() -> None:
     # one tensor per sample, as vLLM's files hand them over
     samples = [shards.Sample(i, ids.clone(), mask.clone(), states.clone(), stats) for i in range(a.samples_per_shard)]
 
-    writers = {"write_shard": lambda d, k, s: shards.write_shard(d, k, s, {})}
+    writers = {"write_shard": lambda d, k, s: shards.write_shard(d, k, s, {}),
+               "write_shard through the page cache": through_the_page_cache}
     if a.compare_save_file:
         writers["save_file + read-back hash"] = save_file_then_hash
-        writers["write_shard, write-back left to the kernel"] = write_back_left_to_kernel
-    rows = []
+    hashing = sha256_rate(samples)
+    rows = [emit({"what": "sha256 from memory", "threads": 1, **hashing, "of_disk_best": round(hashing["gb_per_s"] / best, 3)})]
     for name, writer in writers.items():
         for n in sorted({1, threads}):
             r = shard_rates(a.dir / "shards", samples, count if n > 1 else 4, n, writer)

@@ -217,6 +217,7 @@ def test_no_import_circle_inside_verification() -> None:
 # deciding what any stage computes (an edit to it must not re-run a GPU-day extraction) ...
 PLUMBING = {
     "pipeline.atomic": "writes a file whole or not at all",
+    "pipeline.hidden_states.disk_write": "writes given bytes at the disk's rate (tuning it must not re-run extract)",
     "pipeline.errors": "error types",
     "pipeline.layout": "where outputs live (moving one is a dvc.yaml edit anyway)",
     "pipeline.params": "the params schema: every value a stage reads is a params.yaml key its `params:` list tracks",

@@ -13,7 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save
 
-from pipeline.hidden_states.format import Sample, write_safetensors, write_shard
+from pipeline.hidden_states import disk_write
+from pipeline.hidden_states.format import Sample, load_sample, write_safetensors, write_shard
 
 
 def sorted_metadata(blob: bytes) -> bytes:
@@ -50,15 +51,32 @@ def test_bytes_are_safetensors_own_with_sorted_metadata(tmp_path, dtype):
 
 
 def test_manifest_records_the_bytes_on_disk_across_blocks(tmp_path, monkeypatch):
-    # blocks smaller than a tensor: the hash and size still follow the file byte for byte
-    monkeypatch.setattr("pipeline.hidden_states.format.WRITE_BLOCK", 100)
-    tensors = samples(torch.bfloat16, seed=1)
-    batch = [Sample(sid, tensors[f"{sid}/input_ids"], tensors[f"{sid}/loss_mask"], tensors[f"{sid}/hidden_states"])
-             for sid in (0, 3, 7)]
+    # staging buffers and hash blocks smaller than a tensor, the buffers reused many times over: the hash and size
+    # still follow the file byte for byte
+    monkeypatch.setattr("pipeline.hidden_states.disk_write.STAGING_BYTES", disk_write.ALIGN)
+    monkeypatch.setattr("pipeline.hidden_states.format.HASH_BLOCK", 100)
+    g = torch.Generator().manual_seed(1)
+    batch = [Sample(sid, torch.arange(t), torch.ones(t, dtype=torch.uint8), torch.randn(t, 3, 64, generator=g).to(torch.bfloat16))
+             for sid, t in ((0, 50), (3, 7), (7, 33))]
     manifest = write_shard(tmp_path, 0, batch, {})
     data = (tmp_path / manifest["file"]).read_bytes()
+    assert len(data) > 8 * disk_write.ALIGN and len(data) % disk_write.ALIGN
     assert manifest["bytes"] == len(data)
     assert manifest["sha256"] == hashlib.sha256(data).hexdigest()
+    assert all(torch.equal(load_sample(tmp_path / manifest["file"], s.sample_id).hidden_states, s.hidden_states) for s in batch)
+
+
+@pytest.mark.parametrize("nbytes", [0, 1, disk_write.ALIGN - 1, disk_write.ALIGN, disk_write.ALIGN + 1, 5 * disk_write.ALIGN + 77])
+def test_direct_and_page_cache_writes_give_the_same_file(tmp_path, monkeypatch, nbytes):
+    # the direct path pads its last buffer to the alignment and cuts the file back; chunks straddle the buffers
+    monkeypatch.setattr("pipeline.hidden_states.disk_write.STAGING_BYTES", 2 * disk_write.ALIGN)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(nbytes))
+    chunks = [data[: nbytes // 3], data[nbytes // 3 : nbytes // 2], data[nbytes // 2 :]]
+    for direct in (True, False):
+        path = tmp_path / f"{direct}.bin"
+        path.write_bytes(b"x" * (3 * disk_write.ALIGN))  # what was there before is gone
+        assert disk_write.write_file(path, chunks, direct=direct) == nbytes
+        assert path.read_bytes() == bytes(data.numpy())
 
 
 def test_same_samples_same_file_in_another_process(tmp_path):

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -40,7 +39,7 @@ from safetensors import safe_open
 
 from pipeline.atomic import atomic_path, atomic_write_text
 from pipeline.errors import PipelineError
-from pipeline.hidden_states import fp8
+from pipeline.hidden_states import disk_write, fp8
 from pipeline.hidden_states import stats as shard_stats
 from pipeline.hidden_states.storage import engine_dtype, format_version  # noqa: F401 (the format's API)
 
@@ -151,7 +150,7 @@ SAFETENSORS_LAYOUT_ORDER = {
     torch.int64: "I64", torch.float64: "F64", torch.float32: "F32", torch.int32: "I32", torch.bfloat16: "BF16",
     torch.float16: "F16", torch.float8_e4m3fn: "F8_E4M3", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
-WRITE_BLOCK = 64 << 20
+HASH_BLOCK = 64 << 20
 
 
 def safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[bytes, list[torch.Tensor]]:
@@ -179,34 +178,24 @@ def safetensors_layout(tensors: dict[str, torch.Tensor], metadata: dict[str, str
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> tuple[int, str]:
-    """Write `tensors` to `path` as safetensors from the tensors' own memory (no serialized copy);
-    return the file's size and the SHA-256 of the bytes written, hashed from memory by a second
-    thread while this one writes. The caller fsyncs (`atomic_path`).
-
-    Each block's write-back to the disk starts as soon as it is written (POSIX_FADV_DONTNEED starts
-    it for dirty pages), so the caller's fsync waits for the last blocks only, not the whole file.
-    """
+    """Write `tensors` to `path` as safetensors (pipeline/hidden_states/disk_write.py: direct I/O where the
+    filesystem allows it); return the file's size and the SHA-256 of the bytes written, hashed from the tensors'
+    memory by a second thread while this one writes. The caller fsyncs (`atomic_path`)."""
     head, ordered = safetensors_layout(tensors, metadata)
-    blocks = [memoryview(head)]
-    for t in ordered:
-        data = memoryview(t.contiguous().reshape(-1).view(torch.uint8).numpy()) if t.numel() else memoryview(b"")
-        blocks += [data[lo : lo + WRITE_BLOCK] for lo in range(0, len(data), WRITE_BLOCK)]
-    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher, open(path, "wb", buffering=0) as f:
-        digest = hasher.submit(_sha256, blocks)
-        size = 0
-        for block in blocks:
-            left = block
-            while left:  # a raw write may take less than it was given
-                left = left[f.write(left) :]
-            os.posix_fadvise(f.fileno(), size, len(block), os.POSIX_FADV_DONTNEED)
-            size += len(block)
+    chunks = [torch.frombuffer(bytearray(head), dtype=torch.uint8)]
+    chunks += [t.contiguous().reshape(-1).view(torch.uint8) for t in ordered if t.numel()]
+    with ThreadPoolExecutor(1, thread_name_prefix="sha256") as hasher:
+        digest = hasher.submit(_sha256, chunks)
+        size = disk_write.write_file(path, chunks)
         return size, digest.result()
 
 
-def _sha256(blocks: list[memoryview]) -> str:
+def _sha256(chunks: list[torch.Tensor]) -> str:
     h = hashlib.sha256()
-    for block in blocks:
-        h.update(block)
+    for chunk in chunks:
+        data = memoryview(chunk.numpy())
+        for lo in range(0, len(data), HASH_BLOCK):
+            h.update(data[lo : lo + HASH_BLOCK])  # hashlib lets go of the GIL for large buffers
     return h.hexdigest()
 
 
