@@ -231,6 +231,7 @@ _CONNECTOR = {
     "pipeline.extraction.hs_connector": "extraction's KV connector, imported lazily by vllm_compat",
     "pipeline.hidden_states.fp8": "the connector's fp8 quantizer: extraction's storage, not this stage's",
     "pipeline.hidden_states.storage": "the storage dtypes the fp8 quantizer names",
+    "pipeline.hidden_states.stats": "the statistics the connector records beside the fp8 states",
 }
 IMPORTED_ONLY = {
     "check": _CONNECTOR,

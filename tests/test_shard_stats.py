@@ -56,3 +56,19 @@ def test_records_agree_tolerates_summation_order_not_a_changed_value():
     scaled[0, 1] *= 1.01  # sum of squares 1% off: other data
     assert shard_stats.records_agree(scaled, stats, 64 * 32) == [0]
     assert shard_stats.records_agree(stats[:1], stats, 64 * 32) == [0, 1]  # a layer missing
+
+
+def test_block_stats_on_the_device_agree_with_the_host_record():
+    # the connector's statistics of fp8 states, built a block of tokens at a time, against sample_stats of the
+    # same values: min and max equal, sums within records_agree's tolerance; NaN in a layer reaches its min and max
+    x = torch.randn(700, 3, 96) * torch.tensor([1.0, 40.0, 0.01])[None, :, None]
+    x[123, 2, 5] = float("nan")
+    blocks = shard_stats.BlockStats(3, x.device)
+    for lo in range(0, 700, 256):
+        blocks.add(x[lo : lo + 256].transpose(0, 1).reshape(3, -1))
+    got, want = blocks.result().numpy(), shard_stats.sample_stats(x)
+    assert got.shape == want.shape and got.dtype == np.float64
+    assert shard_stats.records_agree(got, want, count=700 * 96) == []
+    assert np.isnan(got[2, 2:]).all() and np.isfinite(got[:2]).all()
+    empty = shard_stats.BlockStats(3, x.device).result().numpy()
+    assert np.array_equal(empty, shard_stats.sample_stats(torch.zeros(0, 3, 96)))

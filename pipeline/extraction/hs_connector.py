@@ -33,6 +33,7 @@ import torch
 from vllm.distributed.kv_transfer.kv_connector.v1 import example_hidden_states_connector as _stock
 
 from pipeline.hidden_states import fp8
+from pipeline.hidden_states import stats as shard_stats
 
 CONNECTOR_NAME = "HiddenStatesConnector"
 STORAGE_KEY = "hidden_states_storage"  # kv_connector_extra_config: "fp8" quantizes; absent stores as computed
@@ -64,27 +65,17 @@ def _gpu_sync_allowed():
 def quantize_rows(hidden: torch.Tensor) -> dict[str, torch.Tensor]:
     """[T, L, H] states -> the request file's fp8 tensors, on the states' device, a block of tokens at a time:
     q [T, L, H] float8_e4m3fn, scale [T, L] float32, and the manifest's per-layer statistics of the dequantized
-    values, [L, 4] float64 (pipeline/hidden_states/stats.py: sum, sum of squares, min, max; NaN propagates into
-    min and max). Computed here, the host never holds a float copy of the states."""
+    values, [L, 4] float64 (pipeline/hidden_states/stats.py). Computed here, the host never holds a float copy of
+    the states."""
     T, L, _ = hidden.shape
     q = torch.empty(hidden.shape, dtype=fp8.TORCH_DTYPE, device=hidden.device)
     scale = torch.empty((T, L), dtype=torch.float32, device=hidden.device)
-    sums = torch.zeros((L, 2), dtype=torch.float64, device=hidden.device)
-    lows, highs = [], []
+    stats = shard_stats.BlockStats(L, hidden.device)
     for lo in range(0, T, QUANTIZE_TOKENS):
         hi = min(T, lo + QUANTIZE_TOKENS)
         q[lo:hi], scale[lo:hi] = fp8.quantize(hidden[lo:hi])
-        x = fp8.dequantize(q[lo:hi], scale[lo:hi]).transpose(0, 1).reshape(L, -1)  # [L, t H] float32
-        sums[:, 0] += x.sum(dim=1, dtype=torch.float64)
-        sums[:, 1] += (x * x).sum(dim=1, dtype=torch.float64)  # fp32 squares, as the host's np.dot of fp32 rows
-        lows.append(x.amin(dim=1))
-        highs.append(x.amax(dim=1))
-    if T:
-        low, high = torch.stack(lows).amin(dim=0).double(), torch.stack(highs).amax(dim=0).double()
-    else:
-        low = torch.full((L,), float("inf"), dtype=torch.float64, device=hidden.device)
-        high = -low
-    return {fp8.STATES_KEY: q, fp8.SCALE_KEY: scale, fp8.STATS_KEY: torch.cat([sums, low[:, None], high[:, None]], dim=1)}
+        stats.add(fp8.dequantize(q[lo:hi], scale[lo:hi]).transpose(0, 1).reshape(L, -1))  # [L, t H] float32
+    return {fp8.STATES_KEY: q, fp8.SCALE_KEY: scale, fp8.STATS_KEY: stats.result()}
 
 
 class HiddenStatesConnector(_stock.ExampleHiddenStatesConnector):

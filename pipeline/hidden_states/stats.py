@@ -56,6 +56,32 @@ def sample_stats(hidden_states: torch.Tensor | np.ndarray) -> np.ndarray:
     return out
 
 
+class BlockStats:
+    """`sample_stats` of a sample built from blocks of its values where they already are (the GPU, before the
+    device-to-host copy), in torch: each block [L, n] float32, the result [L, 4] float64 on the blocks' device.
+    Squares are summed in float32 per block, as the host's np.dot of float32 rows."""
+
+    def __init__(self, layers: int, device: torch.device) -> None:
+        self.sums = torch.zeros((layers, 2), dtype=torch.float64, device=device)
+        self.lows: list[torch.Tensor] = []
+        self.highs: list[torch.Tensor] = []
+
+    def add(self, block: torch.Tensor) -> None:
+        self.sums[:, 0] += block.sum(dim=1, dtype=torch.float64)
+        self.sums[:, 1] += (block * block).sum(dim=1, dtype=torch.float64)
+        self.lows.append(block.amin(dim=1))  # NaN propagates, as in sample_stats
+        self.highs.append(block.amax(dim=1))
+
+    def result(self) -> torch.Tensor:
+        if self.lows:
+            low = torch.stack(self.lows).amin(dim=0).double()
+            high = torch.stack(self.highs).amax(dim=0).double()
+        else:  # no values: sample_stats' empty record
+            low = torch.full_like(self.sums[:, 0], float("inf"))
+            high = -low
+        return torch.cat([self.sums, low[:, None], high[:, None]], dim=1)
+
+
 def finite(stats: np.ndarray) -> bool:
     return bool(np.isfinite(stats[:, 2:]).all())
 

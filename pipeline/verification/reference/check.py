@@ -9,6 +9,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
+
 from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
 from pipeline.hidden_states.storage import engine_dtype
