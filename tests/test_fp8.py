@@ -16,10 +16,10 @@ from safetensors.torch import load_file
 from pipeline import layout
 from pipeline.errors import PipelineError
 from pipeline.extraction.capacity import IDS_MASK_BYTES
-from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
 from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
+from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.params import ModelParams
 from pipeline.target import load_target
 from pipeline.verification.reference.model import ReferenceModel

@@ -2,9 +2,9 @@
 
 Throughput: one thread keeps the engine fed (requests added as others finish, so the GPU never
 waits on the host and no batch ends part-empty) while a pool of threads, one per core, waits for
-vLLM's per-request files, checks them and writes the shards (16 threads write at the disk's own
-rate on a 16-core H100 host, one thread at about half of it: docs/BENCHMARKS.md, "Shard writing
-against the disk"). `metrics/extract.json` splits the time between them (`time_s`).
+vLLM's per-request files, checks them and writes the shards (16 threads keep the disk at 0.88-1.04
+of its best on a 16-core H100 host, one thread runs at its SHA-256's rate, about 0.6 of it:
+docs/BENCHMARKS.md, "Shard writing against the disk"). `metrics/extract.json` splits the time between them (`time_s`).
 """
 
 from __future__ import annotations

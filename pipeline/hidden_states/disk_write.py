@@ -1,12 +1,15 @@
 """A file's bytes written at the disk's rate from one thread: direct I/O through page-aligned staging buffers.
 
-One buffered writer reaches about 0.55 of what the disk takes, one O_DIRECT writer its best (docs/BENCHMARKS.md,
-"Shard writing against the disk"). That is the rate of a run's last shards, each written by one thread after the
-engine has finished. O_DIRECT needs the memory, the file offset and the length aligned, and a shard's tensors lie
-back to back at any offset, so the bytes are copied (at memory speed, several times the disk's) into aligned
-buffers while a second thread writes the filled ones. The last buffer is padded to the alignment and the file cut
-back to its length. Where the filesystem refuses O_DIRECT (tmpfs, some network filesystems) the same bytes go
-through the page cache, each block's write-back started as soon as it is written.
+One thread writing through the page cache can stay far below what the disk takes: on the 2-core CPU machine it
+wrote 0.23 of the disk's best where the same thread with direct I/O wrote 0.71; on the lent GPU hosts both reach
+one thread's SHA-256 of the shard, which then bounds it (docs/BENCHMARKS.md, "Shard writing against the disk").
+One thread's rate is that of a run's last shards, each written by one thread after the engine has finished.
+
+O_DIRECT needs the memory, the file offset and the length aligned, and a shard's tensors lie back to back at any
+offset, so the bytes are copied (at memory speed, several times the disk's) into aligned buffers while a second
+thread writes the filled ones. The last buffer is padded to the alignment and the file cut back to its length.
+Where the filesystem refuses O_DIRECT (some network and FUSE filesystems) the same bytes go through the page
+cache, each block's write-back started as soon as it is written.
 """
 
 from __future__ import annotations
