@@ -356,7 +356,8 @@ class Bench:
         check_reference_budget(cfg, budget, max(spec["len_a"], spec["len_b"]), on_gpu=not smoke)  # verify runs it on the GPU
         self.results["seed_params"] = {"depth": self.args.seed_depth, "experts": self.args.seed_experts,
                                        "layer_ids": layer_ids_of(self.state, "seed"), "reference_gib": budget}
-        self.child("build:seed", 300, fast or 60)
+        if "build:seed" not in self.results["jobs"]:  # --reuse: built by an earlier call on this machine
+            self.child("build:seed", 300, fast or 60)
         if "build:seed" not in self.results["jobs"]:
             return None
         if smoke and budget is None:  # the tiny model: just above the smallest budget, so the experts go in chunks
