@@ -11,10 +11,10 @@ defaults: Kimi-K2.5's width, 4 layers, 48 x 512 tokens) written by the extract s
 stage runs on this host (`pipeline.extraction.engine.shard_workers`), each shard durable (fsync'd
 and renamed) before it counts. `--compare-save-file` adds the same through safetensors' save_file
 followed by a SHA-256 read back from the file, the writer the stage had before it wrote from the
-tensors' own memory. `write_shard` is measured as it writes (direct I/O where the filesystem allows it) and
-through the page cache (as where it does not), beside one thread's SHA-256 of the same bytes from memory, which
-bounds one thread's `write_shard`. Imports only torch, numpy and safetensors beside the project's shard writer, so it runs
-on a host without vLLM. Prints one JSON line per measurement, then a summary line with each rate as
+tensors' own memory. `write_shard` is measured as it writes (direct I/O where the filesystem
+allows it) and through the page cache (as where it does not), beside one thread's SHA-256 of the
+same bytes from memory, which bounds one thread's `write_shard`. Imports only torch, numpy and
+safetensors beside the project's shard writer, so it runs on a host without vLLM. Prints one JSON line per measurement, then a summary line with each rate as
 a fraction of the disk's best.
 """
 
@@ -166,7 +166,8 @@ def main() -> None:
     if a.compare_save_file:
         writers["save_file + read-back hash"] = save_file_then_hash
     hashing = sha256_rate(samples)
-    rows = [emit({"what": "sha256 from memory", "threads": 1, **hashing, "of_disk_best": round(hashing["gb_per_s"] / best, 3)})]
+    rows = [emit({"what": "sha256 from memory", "threads": 1, **hashing,
+                  "of_disk_best": round(hashing["gb_per_s"] / best, 3)})]
     for name, writer in writers.items():
         for n in sorted({1, threads}):
             r = shard_rates(a.dir / "shards", samples, count if n > 1 else 4, n, writer)

@@ -4,7 +4,8 @@ Throughput: one thread keeps the engine fed (requests added as others finish, so
 waits on the host and no batch ends part-empty) while a pool of threads, one per core, waits for
 vLLM's per-request files, checks them and writes the shards (16 threads keep the disk at 0.88-1.04
 of its best on a 16-core H100 host, one thread runs at its SHA-256's rate, about 0.6 of it:
-docs/BENCHMARKS.md, "Shard writing against the disk"). `metrics/extract.json` splits the time between them (`time_s`).
+docs/BENCHMARKS.md, "Shard writing against the disk"). `metrics/extract.json` splits the time
+between them (`time_s`).
 """
 
 from __future__ import annotations
