@@ -73,6 +73,14 @@ def resolve_local(params: ModelParams) -> dict:
     return {"weights_bytes": sum(target.fingerprint["weights"].values())}
 
 
+def _fit(metrics: dict) -> str:
+    """How well it learned (untrained, train_steps 0: no loss to state)."""
+    if metrics.get("final_loss") is None:
+        return "untrained (random weights)"
+    return (f"final loss {metrics['final_loss']:.4f}, next-token accuracy {metrics['unseen_assistant_accuracy']:.3f} "
+            "on unseen assistant turns")
+
+
 def run(params: ModelParams) -> None:
     t0 = time.time()
     metrics = build_embedded(params) if params.is_embedded else resolve_local(params)
@@ -81,8 +89,7 @@ def run(params: ModelParams) -> None:
     if params.is_embedded:
         say(f"[model] the embedded {metrics['architecture']} target: {metrics['parameters'] / 1e6:.2f} M parameters trained "
             f"{metrics['steps']} steps of {metrics['tokens_per_step']} tokens on {metrics['device']} in "
-            f"{metrics['train_seconds']:.0f} s, final loss {metrics['final_loss']:.4f}, next-token accuracy "
-            f"{metrics['unseen_assistant_accuracy']:.3f} on unseen assistant turns; saved "
+            f"{metrics['train_seconds']:.0f} s, " + _fit(metrics) + "; saved "
             + ("as INT4 (w4a16)" if params.embedded.quantization == "w4a16" else f"in {metrics['saved_dtype']}")
             + f" at {MODEL_DIR} (all figures: {METRICS_JSON})")
     else:
