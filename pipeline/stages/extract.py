@@ -120,6 +120,7 @@ def _run(params: ExtractParams, cluster=None) -> None:
             prog = extract_shards(params, target, layer_ids, max_model_len, ds, plan, todo, out, common)
 
     complete = shards.complete_shards(out)
+    held = [shards.read_manifest(p) for p in complete]  # what the output holds: this run's shards and resumed ones
     meta.update(
         complete=True,
         num_shards=len(complete),
@@ -138,6 +139,8 @@ def _run(params: ExtractParams, cluster=None) -> None:
         "engine_load_s": round(prog.load_seconds, 2),
         "shards_written": len(todo),
         "shards_resumed": len(plan.shards) - len(todo),
+        "output_samples": sum(len(m["sample_ids"]) for m in held),
+        "output_tokens": sum(sum(m["num_tokens"]) for m in held),
         "shard_workers": prog.shard_workers,
         "time_s": {k: round(v, 3) for k, v in sorted(prog.time_s.items())},
         "vllm_version": version,

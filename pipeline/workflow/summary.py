@@ -39,8 +39,14 @@ def _prepare(m: dict) -> str:
 
 
 def _extract(m: dict) -> str:
-    return (f"extract: hidden states of {m.get('samples', '?')} samples ({_n(m.get('tokens', '?'))} tokens), layers "
-            f"{m.get('layer_ids')}, {m.get('dtype', '?')}, {m.get('shards_written', 0) + m.get('shards_resumed', 0)} shards")
+    """What the output holds; after a resume, also what this run extracted of it."""
+    held = (f"hidden states of {m.get('output_samples', m.get('samples', '?'))} samples "
+            f"({_n(m.get('output_tokens', m.get('tokens', '?')))} tokens), layers {m.get('layer_ids')}, {m.get('dtype', '?')}, "
+            f"{m.get('shards_written', 0) + m.get('shards_resumed', 0)} shards")
+    if not m.get("shards_resumed"):
+        return f"extract: {held}"
+    return (f"extract: {held}; this run extracted {m.get('samples', '?')} samples ({_n(m.get('tokens', '?'))} tokens) "
+            f"into {m.get('shards_written', 0)} shards, {m['shards_resumed']} shards were complete from an earlier run")
 
 
 def _verify(m: dict) -> str:
