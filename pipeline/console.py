@@ -32,6 +32,7 @@ TAIL_LINES = 15
 _console: TextIO | None = None  # the stage's stderr (bars, errors), set while its output is redirected
 _console_out: TextIO | None = None  # the stage's stdout (its story), likewise
 _log_file: TextIO | None = None
+_log_path: Path | None = None
 _said: set[str] = set()  # the pipeline's own lines: a failure's tail shows the others
 
 
@@ -59,6 +60,11 @@ def log_path(stage: str) -> Path:
     return LOG_DIR / f"{stage}.log"
 
 
+def current_log() -> Path | None:
+    """The file the running stage's output goes to (None outside `stage_output`)."""
+    return _log_path
+
+
 def tail(path: Path, n: int = TAIL_LINES, skip: set[str] = frozenset()) -> list[str]:
     """The last n non-blank lines of `path` not in `skip` and not a traceback's frames (of a progress bar's
     carriage returns, its last state): the log lines and the exception's own message."""
@@ -83,7 +89,7 @@ def stage_output(stage: str) -> Iterator[Path]:
     block; `say`, the progress bars and the "pipeline" loggers keep the console. An exception
     leaving the block: the console gets the error, then the file's name and last lines (not the
     pipeline's own); an unexpected one's traceback goes to the file; the process exits with status 1."""
-    global _console, _console_out, _log_file
+    global _console, _console_out, _log_file, _log_path
     path = log_path(stage)
     path.parent.mkdir(parents=True, exist_ok=True)
     log_file = open(path, "a", buffering=1, encoding="utf-8", errors="replace")  # noqa: SIM115
@@ -101,7 +107,7 @@ def stage_output(stage: str) -> Iterator[Path]:
     console_out = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8", errors="replace")
     os.dup2(log_file.fileno(), 1)
     os.dup2(log_file.fileno(), 2)
-    _console, _console_out, _log_file = console, console_out, log_file
+    _console, _console_out, _log_file, _log_path = console, console_out, log_file, path
     handler = _ConsoleHandler()
     handler.setFormatter(logging.Formatter("%(message)s"))
     pipeline_logger = logging.getLogger("pipeline")
@@ -134,7 +140,7 @@ def stage_output(stage: str) -> Iterator[Path]:
         os.dup2(saved_err, 2)
         os.close(saved_out)
         os.close(saved_err)
-        _console, _console_out, _log_file = None, None, None
+        _console, _console_out, _log_file, _log_path = None, None, None, None
         _said.clear()
         console.close()
         console_out.close()

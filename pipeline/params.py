@@ -118,6 +118,18 @@ class ModelParams(_Section):
         return self.path == EMBEDDED
 
 
+def _engine_start_timeout(section: str):
+    return Field(1200.0, gt=0, description=f"Seconds the {section} engine may spend starting without a new line in its log "
+                 "(weights loading, compiling and graph capture print them) before the stage fails, naming the wait "
+                 "(pipeline/watchdog.py); raise it for a very large model on a slow disk. Re-runs nothing.")
+
+
+def _engine_stall_timeout(section: str, moves: str):
+    return Field(600.0, gt=0, description=f"Seconds the running {section} engine may go without {moves} before the "
+                 "stage fails, naming the wait (pipeline/watchdog.py); complete work is kept and a re-run resumes. "
+                 "Re-runs nothing.")
+
+
 class RegenerateParams(_Section):
     """On-policy data: the target rewrites every assistant turn before prepare (the regenerate stage)."""
 
@@ -132,6 +144,8 @@ class RegenerateParams(_Section):
     tensor_parallel_size: int = Field(1, ge=1)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     cpu_kvcache_gib: int = Field(1, ge=1)
+    engine_start_timeout_s: float = _engine_start_timeout("regenerate")
+    engine_stall_timeout_s: float = _engine_stall_timeout("regenerate", "a finished request")
 
 
 class DataParams(_Section):
@@ -180,6 +194,8 @@ class ExtractParams(_Section):
     free_space_margin: float = Field(
         0.1, ge=0, description="Refuse to start unless the output's filesystem has the projected bytes x (1 + this) free (pipeline/planning/plan.py)."
     )
+    engine_start_timeout_s: float = _engine_start_timeout("extract")
+    engine_stall_timeout_s: float = _engine_stall_timeout("extract", "a finished request or a written shard")
 
     @field_validator("layer_ids")
     @classmethod
@@ -335,6 +351,8 @@ class EvalParams(_Section):
         True, description="vLLM without CUDA graphs or torch.compile (fast start-up; on CPU the tested path). false: the "
         "compiled, graph-captured engine a GPU serves with, whose small-batch decode speed is the one to compare."
     )
+    engine_start_timeout_s: float = _engine_start_timeout("eval")
+    engine_stall_timeout_s: float = _engine_stall_timeout("eval", "a finished request")
 
     @field_validator("compare_speculative_tokens", "decode_batch_sizes")
     @classmethod

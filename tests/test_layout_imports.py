@@ -119,7 +119,7 @@ PACKAGES = [
 ENTRY = {"pipeline.__main__", "pipeline.cli"}
 # The base at pipeline/'s top: every package may import it, and it imports nothing but itself.
 BASE = {"pipeline.params", "pipeline.layout", "pipeline.errors", "pipeline.atomic", "pipeline.progress", "pipeline.console",
-        "pipeline.target", "pipeline.chat_data", "pipeline.int4"}
+        "pipeline.watchdog", "pipeline.target", "pipeline.chat_data", "pipeline.int4"}
 
 
 def package_of(module: str) -> str | None:
@@ -223,6 +223,7 @@ PLUMBING = {
     "pipeline.params": "the params schema: every value a stage reads is a params.yaml key its `params:` list tracks",
     "pipeline.progress": "progress bars",
     "pipeline.console": "where a stage's lines go: the console or logs/<stage>.log",
+    "pipeline.watchdog": "how long a silent engine is waited for; a run that finishes wrote the same bytes",
     "pipeline.target": "reads target.json (a dep through artifacts/model) and hashes files",
     "pipeline.workflow.invalidation": "the table the `params:` lists follow",
 }

