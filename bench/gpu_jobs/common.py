@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -121,7 +122,9 @@ WORKLOADS = {
     # 131,072 tokens, 5.6 GB of states in 10 shards: seconds of extraction beside two engine start-ups (131 + 29 s
     # on the H200), verify on every shard: ~320-440 s for the whole job (docs/BENCHMARKS.md "The seed's shape on one
     # H200")
-    "seed": {"len_a": 512, "n_a": 128, "len_b": 2048, "n_b": 32, "samples_per_shard": 16, "verify_all": True},
+    # SEED_SCALE=k: k times its prompts (k = 3: 16.9 GB in 30 shards), long enough for the rates once shards flow
+    "seed": {"len_a": 512, "n_a": 128 * int(os.environ.get("SEED_SCALE", "1")), "len_b": 2048,
+             "n_b": 32 * int(os.environ.get("SEED_SCALE", "1")), "samples_per_shard": 16, "verify_all": True},
     # "peer" (job_peer.py): speculators' data generation and our stage on the same 262,144 tokens of both
     # lengths (8.6 GB per tool: the disk holds ours and two of theirs beside the models, not the dense workload's too)
     "peer": {"model": "dense", "len_a": 512, "n_a": 256, "len_b": 2048, "n_b": 64, "samples_per_shard": 16, "verify_all": True},
