@@ -80,7 +80,7 @@ class EmbeddedModelParams(_Section):
     intermediate_size: int = Field(384, ge=16)
     vocab_size: int = Field(1024, ge=300, description="Byte-level BPE vocabulary trained on the shipped corpus.")
     max_position_embeddings: int = Field(2048, ge=64)
-    train_steps: int = Field(600, ge=0, description="Optimizer steps of the brief pre-training on the corpus.")
+    train_steps: int = Field(300, ge=0, description="Optimizer steps of the brief pre-training on the corpus.")
     train_batch_size: int = Field(8, ge=1, description="Windows per step; many small steps beat few large ones here.")
     train_seq_len: int = Field(256, ge=16)
     lr: float = Field(3e-3, gt=0)
@@ -292,12 +292,12 @@ class VerifyParams(_Section):
 
 
 class TrainParams(_Section):
-    epochs: int = Field(20, ge=1)
-    lr: float = Field(3e-4, gt=0)
+    epochs: int = Field(3, ge=1)
+    lr: float = Field(1e-3, gt=0)
     ttt_steps: int = Field(3, ge=1, description="Test-time-training (draft unroll) steps.")
     draft_layers: int = Field(1, ge=1)
     draft_vocab_size: int | None = Field(None, gt=0, description="null = the target's vocabulary.")
-    max_len: int = Field(2048, gt=0, description="Tokens packed per training batch.")
+    max_len: int = Field(512, gt=0, description="Tokens packed per training batch.")
     val_fraction: float = Field(0.1, gt=0, lt=1)
     seed: int = 0
     optimizer: Literal["adamw", "muon"] = Field("adamw", description="speculators optimizer; muon = Muon on 2D weights + AdamW on the rest.")

@@ -27,6 +27,15 @@ def test_shipped_params_are_valid():
     load_params(ROOT / "params.yaml")
 
 
+def test_the_schema_defaults_are_params_yaml():
+    """A key left out of a project's params.yaml means what the shipped params.yaml says, one story everywhere."""
+    from pipeline.params import Params
+
+    shipped = _leaves(yaml.safe_load((ROOT / "params.yaml").read_text()))
+    defaults = _leaves(Params().model_dump())
+    assert {k: (defaults.get(k), v) for k, v in shipped.items() if defaults.get(k) != v} == {}
+
+
 @pytest.mark.parametrize(
     "override, words",
     [
