@@ -65,6 +65,8 @@ def test_valid_inputs_give_the_same_bytes_every_time(project):
      ["the target's 6 routed experts (model.embedded) cannot be spread evenly over extract.tensor_parallel_size (4)"]),
     ({"extract": {"layer_ids": [2, 4, 9]}}, None, ["extract.layer_ids: [9] out of range", "(model.embedded)"]),
     ({"data": {"path": "data/none.jsonl"}}, None, ["data.path: data/none.jsonl not found"]),
+    ({"data": {"seq_len": 1024}}, None, ["data.seq_len (1024) is longer than train.max_len (512)", "never trained on",
+                                         "raise train.max_len"]),
     ({"verify": {"reference_samples": "eight"}}, None, ["verify.reference_samples", "valid integer"]),
 ])
 def test_what_the_target_cannot_serve_is_refused_naming_its_limit(project, params, gpus, named):
@@ -87,6 +89,6 @@ def test_a_local_model_is_checked_against_its_config(project, tmp_path_factory):
     assert rc == 1
     assert f"max_position_embeddings is 4096 ({model / 'config.json'})" in out, out
     assert "eval.tensor_parallel_size (6) cannot split the target's 32 attention heads" in out, out
-    rc, out, _ = check(project, {"model": {"path": str(model)}, "data": {"seq_len": 4096},
+    rc, out, _ = check(project, {"model": {"path": str(model)}, "data": {"seq_len": 4096}, "train": {"max_len": 4096},
                                  "extract": {"tensor_parallel_size": 4}}, "0,1,2,3")
     assert rc == 0, out

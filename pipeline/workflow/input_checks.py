@@ -120,6 +120,11 @@ def problems(params: Params) -> list[str]:
     if shape.max_positions and params.data.seq_len > shape.max_positions:
         out.append(f"data.seq_len ({params.data.seq_len}) is beyond the target's context: max_position_embeddings is "
                    f"{shape.max_positions} ({shape.source}); set data.seq_len to at most {shape.max_positions}")
+    if params.data.seq_len > params.train.max_len:
+        out.append(f"data.seq_len ({params.data.seq_len}) is longer than train.max_len ({params.train.max_len}): the "
+                   "trainer cuts every sample at train.max_len, so each sample's hidden states past that token would be "
+                   "extracted (GPU time, disk) and never trained on; raise train.max_len to at least data.seq_len "
+                   "(tokens packed per batch, per process) or lower data.seq_len")
     # the container sees runtime.gpus, not this host's count; Ray replicas are checked against the cluster
     gpus = visible_gpus() if params.runtime.mode == "native" else None
     out += int4_problems(params)
