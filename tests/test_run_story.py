@@ -75,7 +75,8 @@ def test_make_repro_tells_the_story_and_ends_with_the_summary(project):
     assert "extract: hidden states of 24 samples" in summary and "layers [2, 4, 5, 8]" in summary
     assert "verify: passed, every one of 24 samples" in summary and "storage pass" in summary
     assert re.search(r"train: 1 epochs .*validation accuracy by draft position \[[\d., ]+\]", summary)
-    assert re.search(r"eval: tau \d\.\d{3} at k = 3, acceptance \[[\d., ]+\], speedup x[\d.]+", summary)
+    assert re.search(r"eval: tau \d\.\d{3} at k = 3, acceptance \[[\d., ]+\], no decode speedup stated "
+                     r"\(measured on a CPU, it is noise\), outputs identical", summary), summary
     assert "reports/verify/report.md" in summary and "reports/eval.md" in summary and "logs" in summary
     assert "`make push`" in summary
     assert len(summary.splitlines()) <= 12

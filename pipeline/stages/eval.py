@@ -351,6 +351,7 @@ def run(params: EvalParams) -> None:
         "outputs_identical": head["outputs_identical"],
         "reconciliation_flagged_positions": [r["position"] for r in rows if r["flag"]],
         "enforce_eager": params.enforce_eager,
+        "device": "gpu" if vllm_compat.on_cuda() else "cpu",
         "by_k": {str(n): {key: v for key, v in m.items() if key != "rows"} for n, m in by_k.items()},
         "decode": decode_table(spec, plain),
     }
