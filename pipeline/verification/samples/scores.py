@@ -52,7 +52,7 @@ ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: no
 EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
 INDICES_PER_ROW = 8  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
-WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
+FOLD_MIN_SAMPLES = 8  # fewer samples have no median and MAD to judge by: the refit's outlier pass, a fold's own
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
 # wait for that batch's work only, not for every thread's work queued on the one default stream
 SCORING_SLOTS = 4
@@ -127,7 +127,7 @@ class Coherence:
         sample of the other fold score worse)."""
         chunks = list(chunks)
         self._take(fit_folds(chunks, self.half, len(self.layer_ids), self.embedding.shape[1]))
-        if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
+        if self.weights is None or len(chunks) < FOLD_MIN_SAMPLES:
             self._ready_for_threads()
             return
         L, H = len(self.layer_ids), self.embedding.shape[1]
