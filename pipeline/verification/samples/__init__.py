@@ -1,7 +1,8 @@
 """Verify's per-sample tests: every sample scored and judged on its own.
 
 - `scores`: per-token coherence of the captured layers with each other and with the token (the scan scores each
-  shard's samples with it);
+  shard's samples with it); `energy`: residual energies as shares of a state's; `exchange`: the exchange test's
+  scores; `rounding`: fp8 rounding's expected energy in each residual;
 - `positions`: where the tests look: each sample's judged positions, its seeded fold and half, the scoring batches;
 - `next_token`: the next-token test: does a sample's final captured layer predict this sample's next tokens;
 - `fit`: what the tests need before the scan: the input embedding and the predictors fitted on a seeded subset;
