@@ -40,7 +40,7 @@ from pipeline.verification.reference.check import (  # noqa: F401
 )
 from pipeline.verification.reference.model import FinalHeadModel, load_final_head, load_references
 from pipeline.verification.reference.streamed import choose_reference, shard_sequences, stream_references
-from pipeline.verification.report import CHECKS, REPORT_DIR, Report, write_outputs
+from pipeline.verification.report import CHECKS, REPORT_DIR, Report, not_run_line, write_outputs
 from pipeline.verification.samples.fit import load_embedding
 from pipeline.verification.scan import default_workers
 from pipeline.verification.shards import audit_selection, check_final_state_rates, check_structure_and_values  # noqa: F401
@@ -123,7 +123,8 @@ def run(params: VerifyParams) -> None:
             if len(of_check) > PER_CHECK:
                 lines.append(f"  ... and {len(of_check) - PER_CHECK} more [{check}] failures")
         raise VerifyFailed("\n".join(lines))
-    verdict = {"passed": True, "run_key": meta.get("run_key"), "layer_ids": layer_ids, "num_samples": len(prepared)}
+    verdict = {"passed": True, "verdict": report.verdict(), "tests_not_run": report.not_run, "run_key": meta.get("run_key"),
+               "layer_ids": layer_ids, "num_samples": len(prepared)}
     atomic_write_text(VERIFY_VERDICT, json.dumps(verdict, indent=1, sort_keys=True) + "\n")
     s = report.summary
     judged = (s.get("sample_tests") or {}).get("judged_positions")
@@ -134,4 +135,6 @@ def run(params: VerifyParams) -> None:
         f"{len(s.get('audited_shards', []))} shards hashed and re-derived in full")
     say("[verify] " + ", ".join(f"{check} pass" for check in CHECKS)
         + f": all checks passed on {len(prepared)} samples ({s['verify_seconds']:.1f} s); report: {REPORT_DIR / 'report.md'}")
+    if report.not_run:
+        say(f"[verify] {report.verdict()}:" + "".join(f"\n[verify]   {not_run_line(e)}" for e in report.not_run))
 

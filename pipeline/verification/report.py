@@ -39,6 +39,8 @@ class Report:
     shard_stats: dict = field(default_factory=dict)
     summary: dict = field(default_factory=dict)
     sample_tests: list[dict] = field(default_factory=list)  # per-sample tests: what, bound, population (verification/samples/scores.py)
+    # tests this run could not calibrate and did not run: check, test, why, and from how many of what they run
+    not_run: list[dict] = field(default_factory=list)
 
     def fail(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, **where))
@@ -49,6 +51,22 @@ class Report:
     def failures(self, check: str | None = None) -> list[Finding]:
         return [f for f in self.findings if f.severity == "fail" and (check is None or f.check == check)]
 
+    def skip(self, check: str, test: str, why: str, have: int, needs: int, unit: str) -> None:
+        """A test not run: this run has `have` `unit` where it is calibrated from `needs`."""
+        self.not_run.append({"check": check, "test": test, "why": why, "have": have, "needs": needs, "unit": unit})
+
+    def verdict(self) -> str:
+        """"failed", "passed", or "passed, with these tests not run" (what they are: `not_run`)."""
+        if self.failures():
+            return "failed"
+        return "passed, with these tests not run" if self.not_run else "passed"
+
+
+def not_run_line(entry: dict) -> str:
+    """One test not run, for a stage line and the report: what, from how many it runs, and why."""
+    return (f"{entry['test']} ({entry['check']}): this run has {entry['have']:,} {entry['unit']}, it runs from "
+            f"{entry['needs']:,}: {entry['why']}")
+
 
 def write_outputs(report: Report, meta: dict) -> None:
     REPORT_DIR.mkdir(parents=True, exist_ok=True)
@@ -57,6 +75,8 @@ def write_outputs(report: Report, meta: dict) -> None:
     status = {c: ("fail" if report.failures(c) else "pass") for c in CHECKS}
     metrics = {
         "passed": not failures,
+        "verdict": report.verdict(),
+        "tests_not_run": report.not_run,
         "checks": status,
         "num_failures": len(failures),
         "num_warnings": sum(f.severity == "warn" for f in report.findings),
@@ -119,7 +139,7 @@ def write_plots(report: Report) -> list[str]:
 
 def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str]) -> str:
     s = report.summary
-    verdict = "PASSED" if metrics["passed"] else "FAILED"
+    verdict = metrics["verdict"].replace("passed", "PASSED", 1).replace("failed", "FAILED", 1)
     sampled = s.get("final_state_positions") != s.get("masked_positions")
     positions_note = (" (a seeded sample per shard of those the per-sample tests judge: verify.final_state_positions_per_shard)"
                       if sampled else "")
@@ -146,6 +166,10 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out += ["## Failures", "", "| check | where | what |", "| --- | --- | --- |"]
         out += [f"| {f.check} | {f.where()} | {f.message} |" for f in failures[:200]]
         out.append("")
+    if report.not_run:
+        out += ["## Tests not run", "", "Too few of what these tests are calibrated on: the run passes what it could judge, "
+                "and these tests judged nothing (neither pass nor fail).", ""]
+        out += [f"- {not_run_line(e)}" for e in report.not_run] + [""]
     out += render_sample_tests(s.get("sample_tests"))
     warnings = [f for f in report.findings if f.severity == "warn"]
     if warnings:

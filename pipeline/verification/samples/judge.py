@@ -16,24 +16,22 @@ import numpy as np
 import torch
 
 from pipeline.verification.report import Report
-from pipeline.verification.samples.scores import (
-    EXCHANGE_POSITIONS,
+from pipeline.verification.samples.calibration import (
+    EARLY_MIN_ROWS,
+    TAIL_MIN_SCORES,
+    TAIL_QUANTILES,
     WHOLE_MIN_SAMPLES,
-    Coherence,
-    SampleScores,
-    tests_per_position,
+    WITHIN_Z_FACTOR,
+    calibrated,
+    robust,
+    tail_kind,
+    tail_threshold,
+    whole_sample_means,
+    whole_sample_z,
 )
+from pipeline.verification.samples.scores import EXCHANGE_POSITIONS, Coherence, SampleScores, tests_per_position
 
 WITHIN_MIN_WINDOWS = 4  # x the window: a sample this long has a median that a confined fault does not move
-# Clean scores have heavier tails than the MAD's normal law: within-sample maxima 7.7-9.4 robust sigmas on the
-# tiny Llama where z* was 6.4, 17.1 on its INT4 extraction; against the run's windows 7.0 > z* = 6.88 on the
-# 540 samples of `make repro` (a clean sample: its states equal a transformers forward to 1e-6). Per test and
-# per kind (run's windows, within-sample, whole samples), the threshold is the normal quantile with the location
-# and scale of the run's own scores at these quantiles (a confined fault's few windows barely move them), never
-# below z*. An exponential tail through them would miss noise of relative RMS 1
-TAIL_QUANTILES = (0.8, 0.99)
-TAIL_MIN_SCORES = 300  # fewer scores than this: too few for the fit; z* (within-sample: WITHIN_Z_FACTOR x z*)
-WITHIN_Z_FACTOR = 2.0
 # an exchange fails only where swapping back explains this much better: two captured layers can be
 # nearly alike (tiny DeepSeek-V3 bf16, layers 4 and 5: a clean sample 1.01x "better" exchanged)
 EXCHANGE_MIN_GAIN = 1.5
@@ -41,7 +39,6 @@ EXCHANGE_MIN_GAIN = 1.5
 # at positions 1-15 on the tiny Llama; a clean 20-token sample failed the whole-sample test, z 7.8 > 6.5).
 # The whitened tests judge them against the run's own positions of the same range (bucket edges below)
 EARLY_POSITION_EDGES = (4, 8, 12, 16)
-EARLY_MIN_ROWS = 8  # a bucket with fewer judged rows in the run is left as it is
 # The token-identity test's windows are this many of the other tests' windows long (64 positions at the defaults): its
 # evidence per position is a rank (token_identity), at most ~4.3 normal units in a run of 60k judged positions, so the
 # other tests' windows of 3-4 judged positions cannot clear the Bonferroni threshold with it; rows shifted over 48
@@ -126,90 +123,6 @@ def stouffer_windows(z: torch.Tensor, length: int) -> torch.Tensor:
     return z.unfold(0, m, 1).sum(-1) / math.sqrt(m)
 
 
-def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per column: median and 1.4826 x the median absolute deviation (a normal law's sigma)."""
-    median = x.median(0).values
-    return median, ((x - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
-
-
-def whole_sample_means(scores: list[SampleScores], folds: list[int]) -> torch.Tensor:
-    """[N, K]: each sample's mean log score over its judged positions, each position first centred on the median of
-    its fold's runs at positions of its range [2^k, 2^(k+1)). How well a state is predicted changes with the context
-    before it, so samples of other lengths have other means: on the H200 the MoE shape's 16 clean samples of 512 tokens
-    beside 16 of 2,048 (random tokens: a 512-token prompt's states are the first 512 of any) scored 0.27-0.29 against
-    their fold's median of 0.254, and 5 of them failed at z 11.8-17.3 > 6.9. Per fold, as the samples are judged
-    (`whole_sample_z`): centred on both folds' medians, every 2,048-token sample of the 8B shape failed (z 42-45), its
-    long positions moved by the other fold's level. A range with fewer than EARLY_MIN_ROWS judged rows in the fold is
-    left as it is."""
-    logs = [s.shares.double().clamp_min(1e-30).log() for s in scores]
-    ranges = [torch.from_numpy(np.floor(np.log2(np.maximum(s.positions, 1))).astype(np.int64)) for s in scores]
-    top = max(int(r.max()) for r in ranges) + 1
-    offsets = {}
-    for fold in set(folds):
-        members = [i for i, f in enumerate(folds) if f == fold]
-        every, where = torch.cat([logs[i] for i in members]), torch.cat([ranges[i] for i in members])
-        overall = every.median(0).values
-        offsets[fold] = torch.zeros(top, every.shape[1], dtype=torch.float64)
-        for r in where.unique().tolist():
-            rows = where == r
-            if int(rows.sum()) >= EARLY_MIN_ROWS:
-                offsets[fold][r] = every[rows].median(0).values - overall
-    return torch.stack([(lg - offsets[f][r]).mean(0) for lg, r, f in zip(logs, ranges, folds, strict=True)])
-
-
-def whole_sample_z(whole: torch.Tensor, folds: list[int]) -> torch.Tensor | None:
-    """[N, K] samples' mean log scores -> robust z against the samples scored by the same predictors (the same fold):
-    the two folds' maps differ in how well they predict, so samples scored by different maps are not one population
-    (the seed's width on the H200, 33k fit rows per fold for 28,673 inputs: the 79 clean samples of fold 0, every one
-    of them, failed the raw-share tests judged against all 160, shares 0.161-0.166 against a median of 0.155, z up
-    to 10.1). A fold of fewer than WHOLE_MIN_SAMPLES samples is judged against all samples; None: too few in all."""
-    if whole.shape[0] < WHOLE_MIN_SAMPLES:
-        return None
-    z = torch.empty_like(whole)
-    fold_of = torch.tensor(folds)
-    for fold in fold_of.unique().tolist():
-        rows = fold_of == fold
-        median, sigma = robust(whole[rows] if int(rows.sum()) >= WHOLE_MIN_SAMPLES else whole)
-        z[rows] = (whole[rows] - median) / sigma
-    return z
-
-
-def tail_threshold(z: torch.Tensor, tests: int, false_alarm: float) -> torch.Tensor:
-    """[N, K] scores -> [K]: per test, the z at which a normal upper tail with the location and scale of the
-    run's own quantiles q1, q2 of that test's scores (`TAIL_QUANTILES`) reaches false_alarm / tests
-    (Bonferroni): the normal law's z*, with the sigma the tail shows instead of the MAD's."""
-    q1, q2 = TAIL_QUANTILES
-    z1, z2 = torch.from_numpy(np.quantile(z.double().numpy(), [q1, q2], axis=0))
-    normal = NormalDist()
-    scale = (z2 - z1).clamp_min(1e-6) / (normal.inv_cdf(q2) - normal.inv_cdf(q1))
-    return z1 + scale * (-normal.inv_cdf(false_alarm / tests) - normal.inv_cdf(q1))
-
-
-def calibrated(z: torch.Tensor, sample_of: torch.Tensor, tests: int, false_alarm: float, z_star: float) -> tuple[torch.Tensor, str]:
-    """[N, K] scores (row i of sample `sample_of[i]`) -> per-test thresholds, never below z*, and the rule that set
-    them. Per test, the tail is fitted without the samples that have a score above z* in it: a faulty sample's
-    windows can be more than the top 1 % of a small run's (48 shifted positions of one of 20 samples: 1.8 %)
-    and would lift the threshold over its own scores; a clean run loses one sample or a few."""
-    out = torch.full((z.shape[1],), z_star, dtype=torch.float64)
-    fitted = False
-    for k in range(z.shape[1]):
-        over = torch.unique(sample_of[z[:, k] > z_star])
-        clean = z[~torch.isin(sample_of, over), k : k + 1]
-        if clean.shape[0] >= TAIL_MIN_SCORES:
-            out[k] = max(float(tail_threshold(clean, tests, false_alarm)[0]), z_star)
-            fitted = True
-    return out, "tail" if fitted else "normal"
-
-
-def tail_kind(against: str, rule: str, factor: torch.Tensor, threshold: torch.Tensor, z: torch.Tensor) -> str:
-    """What a z was measured against, for the report; says so where it was divided for the run's tail."""
-    k = int(z.max(0).values.argmax())
-    if rule != "tail" or float(factor[k]) == 1.0:
-        return against
-    return (f"{against}, divided by {float(factor[k]):.2f} for the tail of the run's scores of this test (fails at "
-            f"{float(threshold[k]):.1f} robust sigmas)")
-
-
 def check_samples(report: Report, scores: list[tuple[str, SampleScores]], coherence: Coherence | None, params) -> None:
     """Judge every sample's windows against the run's (population test: whole-sample faults) and,
     in samples of at least WITHIN_MIN_WINDOWS windows, against the sample's own median (within test:
@@ -241,7 +154,8 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     if all(s.next_token is not None for _, s in scores):  # the token-identity test, where the scan read the final head
         identity = token_identity([s for _, s in scores], L)
         identity_windows = [stouffer_windows(z, window * IDENTITY_WINDOW_FACTOR) for z in identity]
-        tests += sum(w.numel() for w in identity_windows) + len(identity)
+        tests += sum(w.numel() for w in identity_windows) + (len(identity) if whole_z is not None else 0)
+    report_not_run(report, len(per_sample), identity is not None, bool(local), window, params.sample_stride)
     z_star = -NormalDist().inv_cdf(params.sample_false_alarm / tests)
     within_z = torch.cat([(w - within_median) / within_sigma for w in local]) if local else None
     if within_z is not None and within_z.shape[0] >= TAIL_MIN_SCORES:
@@ -320,6 +234,22 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     summary["max_within_z"] = [float(v) for v in max_within] if local else None
     summary["max_whole_sample_z"] = [float(v) for v in max_whole] if whole_z is not None else None
     summary["exchange_max_gain_log"] = exchange_gain
+
+
+def report_not_run(report: Report, samples: int, identity: bool, within: bool, window: int, stride: int) -> None:
+    """The tests this run cannot judge by, said in the report (`Report.skip`): the whole-sample tests below
+    WHOLE_MIN_SAMPLES samples, the within-sample test where no sample is long enough to have a median of its own."""
+    if samples < WHOLE_MIN_SAMPLES:
+        report.skip("samples", "the whole-sample tests (each sample's mean over all its positions against the other "
+                    f"samples'{': coherence and token identity' if identity else ''})",
+                    "each sample is one score, and the threshold is fitted to the tail of the samples' scores; judged at "
+                    "the normal z* with the median and robust sigma of so few samples, clean runs failed. Whole-sample "
+                    "faults are judged by the window tests", samples, WHOLE_MIN_SAMPLES, "samples")
+    if not within:
+        judged = WITHIN_MIN_WINDOWS * window + window - 1  # judged positions that make WITHIN_MIN_WINDOWS x window windows
+        report.skip("samples", "the within-sample test (a sample's windows against its own median)",
+                    f"no sample has the {WITHIN_MIN_WINDOWS * window} windows ({judged} judged positions, every "
+                    f"{stride}th) a median of its own needs", 0, 1, f"samples of at least {judged * stride} tokens")
 
 
 def check_token_identity(report: Report, scores: list[tuple[str, SampleScores]], identity: list[torch.Tensor],

@@ -12,8 +12,7 @@ model) and per test it scores the residual energy as a share of the state's:
     token        ||h_a - predict(E[ids[t]])||^2 / ||h_a||^2   (a = the first captured layer)
     whitened j   ||S_j^-1 (h_j - predict(...))||^2 / ||h_j||^2, scaled (S_j: the clean residual's covariance)
 
-fp8 states: each of these residual energies less its expected rounding energy (`Coherence._beyond_rounding`): the
-quantization adds ~7e-4 of a state's energy to every position, a floor that narrows the spread the tests judge by.
+fp8 states: each of these residual energies less its expected rounding energy (pipeline/verification/samples/rounding.py).
 
 The clean residual of a layer lives mostly in a few directions; noise or wrong values added to a state
 spread over all of them, so the whitened share sees them where the raw share cannot (tiny Llama, 540
@@ -43,16 +42,16 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipeline.hidden_states import fp8
 from pipeline.verification.host_staging import StagingBuffer, new_buffer
+from pipeline.verification.samples.energy import share_scale, squared_norm
+from pipeline.verification.samples.exchange import EXCHANGE_POSITIONS, ExchangeTest
 from pipeline.verification.samples.least_squares import FoldFit, fit_folds
 from pipeline.verification.samples.positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
+from pipeline.verification.samples.rounding import RoundingFloor
 
-ZERO_ROW_SHARE = 1e6  # the residual share of an all-zero row (its norm is 0: nothing is left to predict)
-EXCHANGE_POSITIONS = 64  # judged positions per sample scored again with adjacent layers exchanged
 INDICES_PER_ROW = 8  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
-WHOLE_MIN_SAMPLES = 8  # the whole-sample test needs this many samples for its median and MAD
+FOLD_MIN_SAMPLES = 8  # fewer samples have no median and MAD to judge by: the refit's outlier pass, a fold's own
 # scan threads scoring on a GPU at once, each on a CUDA stream of its own: a batch's upload, products and host copy
 # wait for that batch's work only, not for every thread's work queued on the one default stream
 SCORING_SLOTS = 4
@@ -72,7 +71,7 @@ class SampleScores:
     next_token: torch.Tensor | None = None
 
 
-class Coherence:
+class Coherence(RoundingFloor, ExchangeTest):
     """The fitted predictors: one matmul of a token's inputs [h_0 .. h_{L-1}, E[id], 1] gives every
     captured layer's prediction from the others and the first layer's from the embedding alone."""
 
@@ -127,7 +126,7 @@ class Coherence:
         sample of the other fold score worse)."""
         chunks = list(chunks)
         self._take(fit_folds(chunks, self.half, len(self.layer_ids), self.embedding.shape[1]))
-        if self.weights is None or len(chunks) < WHOLE_MIN_SAMPLES:
+        if self.weights is None or len(chunks) < FOLD_MIN_SAMPLES:
             self._ready_for_threads()
             return
         L, H = len(self.layer_ids), self.embedding.shape[1]
@@ -200,56 +199,6 @@ class Coherence:
             cached = self._compute_cache[(fold, half)] = (vectors, (vectors * weights[:, None, :]).to(self.compute_dtype))
         return cached[1]
 
-    def _noise_gains(self, fold: int, half: int | None = None) -> torch.Tensor:
-        """[LH, L]: how much of an input element's rounding variance each layer's residual energy takes in expectation
-        (the error model in `_rounding_noise`). Layer j's residual is h_j - (layers) @ W[:LH, j]: an element's rounding
-        error e enters it as e (k = j) minus e W[kH + h, j] (the prediction of j from layer k), so its gain on layer j is
-        ||E_j[kH + h] - W[kH + h, j]||^2 (E_j: layer j's own rows of the identity); the whitened test projects the
-        residual onto U diag(weights) first (half given), ||(E_j - W[:, j]) U_j diag(w_j)||^2."""
-        weights = self.weights[fold]
-        key = ("noise", fold, half)
-        cached = self._compute_cache.get(key)
-        if cached is None or cached[0] is not weights:
-            L, H = len(self.layer_ids), self.embedding.shape[1]
-            blocks = -weights[: L * H, : L * H].float()  # a copy: negated
-            blocks.diagonal().add_(1)
-            blocks = blocks.view(L * H, L, H)  # [LH, j, H]
-            if half is not None:
-                vectors, w = self.whiteners[(fold, half)]
-                blocks = torch.einsum("kjh,jhc->kjc", blocks, (vectors * w[:, None, :]).float())
-            cached = self._compute_cache[key] = (weights, blocks.square().sum(-1))
-        return cached[1]
-
-    def _rounding_noise(self, h: torch.Tensor, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """fp8 states [n, L, H] (dequantized) -> the expected rounding energy in each layer's residual [n, L] (its own
-        and its predictors'), in its own state alone [n, L], and the per-element variances flattened [n, LH]: rounding
-        errors are independent and of mean 0, so a residual's expected energy is the clean residual's plus the sum of
-        the variances times their gains (`fp8.rounding_variance`, `_noise_gains`)."""
-        variance = fp8.rounding_variance(h.float()).flatten(1)
-        return variance @ self._noise_gains(fold), variance.view(h.shape).sum(-1), variance
-
-    def _beyond_rounding(self, energy: torch.Tensor, noise: torch.Tensor, variance: torch.Tensor, gains: torch.Tensor) -> torch.Tensor:
-        """A residual's energy [n, K] less its expected rounding energy `noise`, and no less than that energy's own
-        spread: an error spread evenly over a step has E e^4 = 9/5 (E e^2)^2, so e^2 has variance 4/5 (E e^2)^2, and an
-        element of variance v entering with gain g adds 4/5 (g v)^2 (`variance` [n, LH], `gains` [LH, K]; the products
-        of two elements' errors add spread but no energy, and are left out). Below that spread the residual beyond the
-        rounding is not measured; a floor of 0 scores its logarithm at -69 (the tiny project's layer 8, whose clean
-        residual is about 0.4 of its rounding energy: whole-sample robust sigmas of 3.6 and 5.8 where bf16 has 0.44
-        and 0.62, a test blunted, not sharpened)."""
-        spread = (0.8 * variance.square() @ gains.square()).sqrt()
-        return torch.maximum(energy - noise, spread)
-
-    def _exchanged_orders(self, layers: int) -> torch.Tensor:
-        """[L - 1, L] on the device: the captured layers' order with pair (i, i + 1) exchanged, in row i (made once:
-        an index from a Python list is a host tensor, and its upload would wait for the stream's work)."""
-        orders = self._compute_cache.get("exchanged")
-        if orders is None:
-            orders = torch.arange(layers).repeat(max(layers - 1, 0), 1)
-            for i in range(layers - 1):
-                orders[i, [i, i + 1]] = torch.tensor([i + 1, i])
-            orders = self._compute_cache["exchanged"] = orders.to(self.device)
-        return orders
-
     def _predict(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.mm(x.to(weights.dtype), weights).float()
 
@@ -261,7 +210,7 @@ class Coherence:
         pred = pred.reshape(-1, L + 1, H)
         target = torch.cat([h, h[:, :1]], 1)
         energy = h.pow(2).sum(-1)
-        _, scale, floor = _share_scale(torch.cat([energy, energy[:, :1]], 1))
+        _, scale, floor = share_scale(torch.cat([energy, energy[:, :1]], 1))
         residual = (target - pred).pow(2).sum(-1)
         if fold is not None:
             noise, own, variance = self._rounding_noise(h, fold)
@@ -411,26 +360,26 @@ class Coherence:
             weights, _, constant = self._compute_weights(fold)
             torch.mm(flat[a:b], weights[: L * H, : L * H], out=from_layers[a:b])
             torch.add(torch.mm(token[a:b], weights[L * H : L * H + H]), constant, out=from_token[a:b])
-        energy = _squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
+        energy = squared_norm(stored)  # [n, L]: each state's squared norm, the denominator of every share below
         # every share one multiply-add; columns as `share`'s, the first layer's again at the end
-        inverse, scale, floor = _share_scale(torch.cat([energy, energy[:, :1]], 1))
+        inverse, scale, floor = share_scale(torch.cat([energy, energy[:, :1]], 1))
         base = torch.sub(stored.flatten(1), from_token[:, : L * H], out=torch.empty(n, L * H, device=self.device))
         residual = torch.sub(base, from_layers).view(n, L, H)
         first = stored[:, 0]
-        energies = torch.cat([_squared_norm(residual), _squared_norm(first - from_token[:, L * H :])[:, None]], 1)
+        energies = torch.cat([squared_norm(residual), squared_norm(first - from_token[:, L * H :])[:, None]], 1)
         share = torch.addcmul(floor, energies, scale)
         # the contrast: a row's state and token part against the next judged row's layers (a sample's last row: its
         # first row's), as shifted views and a fix-up of one row per sample, not a gather
         contrast = torch.empty(n, L * H, device=self.device)
         torch.sub(base[:-1], from_layers[1:], out=contrast[:-1])
         contrast[lasts] = base[lasts] - from_layers[firsts]
-        contrast = torch.addcmul(floor[:, :L], _squared_norm(contrast.view(n, L, H)), scale[:, :L])
+        contrast = torch.addcmul(floor[:, :L], squared_norm(contrast.view(n, L, H)), scale[:, :L])
         e = as_input(self.embedding[neighbours]).view(2, n, H)  # the previous tokens' rows, then the next tokens'
         from_neighbours = torch.empty(2, n, H, device=self.device)
         for fold, (a, b) in fold_rows.items():
             weights, _, constant = self._compute_weights(fold)
             torch.add(torch.matmul(e[:, a:b], weights[L * H : L * H + H, L * H :]), constant[L * H :], out=from_neighbours[:, a:b])
-        tokens = torch.amin(_squared_norm(first[None] - from_neighbours), 0) * inverse[:, 0]
+        tokens = torch.amin(squared_norm(first[None] - from_neighbours), 0) * inverse[:, 0]
         contrast = torch.cat([contrast, tokens[:, None]], 1)
         # the contrast ratios keep the rounding in both energies: less it, a row whose contrast is about its share (both
         # near the rounding's energy) becomes a ratio of two small differences (fp8, tiny project: 1e5, a false alarm)
@@ -453,7 +402,7 @@ class Coherence:
         projected = torch.empty(L, n, H, device=self.device, dtype=compute)
         for (fold, half), (a, b) in half_rows.items():
             torch.bmm(by_layer[:, a:b], self._compute_whitener(fold, half), out=projected[:, a:b])
-        white = _squared_norm(projected).T
+        white = squared_norm(projected).T
         if self.quantized:
             for (fold, half), (a, b) in half_rows.items():
                 gains = self._noise_gains(fold, half)
@@ -471,51 +420,6 @@ class Coherence:
         scores = {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
                   for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
         return scores, finals
-
-    def _exchange_gain(self, held: torch.Tensor, residual: torch.Tensor, inverse: torch.Tensor, share: torch.Tensor,
-                       folds: list, kept: np.ndarray) -> torch.Tensor:
-        """[k, L - 1] per tried row (states as stored, residuals, 1 / energies [k, >= L] and shares [k, L]) and adjacent
-        pair (i, i + 1):
-        log(share as written / share with the two exchanged). Exchanged, layer j's prediction moves by
-        (h_{i+1} - h_i) @ (W_i - W_{i+1}) (its j-th block), and layers i and i + 1 trade states, so the exchanged
-        residual is the residual minus that correction, plus the step on layer i and minus it on layer i + 1; the
-        exchanged energies are the energies permuted."""
-        L, H = held.shape[1], held.shape[2]
-        k = held.shape[0]
-        by_pair = torch.diff(held.float(), dim=1).transpose(0, 1)  # [L - 1, k, H]: h_{i+1} - h_i
-        tried_at = np.concatenate([[0], np.cumsum(kept)])  # sample i's tried rows: tried_at[i] .. tried_at[i + 1]
-        swapped = torch.empty(L - 1, k, L * H, device=self.device)
-        steps_in = by_pair.to(self.compute_dtype)
-        for fold, (a, b) in row_spans(folds, tried_at[:-1], tried_at[1:]).items():
-            differences = self._compute_weights(fold)[1][:, :, : L * H]
-            correction = torch.bmm(steps_in[:, a:b], differences)
-            torch.sub(residual[a:b].flatten(1)[None], correction, out=swapped[:, a:b])
-        swapped = swapped.view(L - 1, k, L, H)
-        # pair i's step onto layer i and off layer i + 1: the diagonals (i, i) and (i, i + 1) of (pair, layer), [k, H, L - 1]
-        steps = by_pair.permute(1, 2, 0)
-        swapped.diagonal(0, 0, 2).add_(steps)
-        swapped.diagonal(1, 0, 2).sub_(steps)
-        exchanged_inverse = inverse[:, self._exchanged_orders(L)].transpose(0, 1)  # [L - 1, k, L]
-        ratios = (_squared_norm(swapped) * exchanged_inverse).sum(-1)
-        given = share.sum(1).clamp_min(1e-30).log()
-        return (given - ratios.clamp_min(1e-30).log()).T
-
-
-def _squared_norm(x: torch.Tensor) -> torch.Tensor:
-    """||x||^2 over the last dimension in fp32, in one reduction (x.pow(2).sum(-1) writes and reads x's size once more;
-    a bf16 x is read as it is, not copied to fp32 first)."""
-    return torch.linalg.vector_norm(x, dim=-1, dtype=torch.float32).square()
-
-
-def _share_scale(energy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """How squared residual norms become shares of the states' energy, in one multiply-add (squared x scale + floor):
-    1 / energy, the scale (1 / energy; 0 for an all-zero state) and the floor (0; ZERO_ROW_SHARE for an all-zero
-    state). Made once a batch: each call into torch costs a scoring thread ~0.25 ms waiting its turn on the host the
-    scan's threads share, mostly outside the GIL (H100, 2026-12-06: docs/ARCHITECTURE.md, "Per-sample tests: what is
-    caught, what cannot be"; the 0.2-0.3 ms a call: `git show 61b87c6:docs/BENCHMARKS.md`)."""
-    inverse, nonzero = energy.clamp_min(1e-30).reciprocal(), energy > 0
-    return inverse, inverse * nonzero, torch.where(nonzero, 0.0, ZERO_ROW_SHARE)
-
 
 def tests_per_position(layers: int) -> int:
     """Scores per judged position: contrast ratios (layers, token, all layers), raw residual shares (layers, all

@@ -1,0 +1,96 @@
+"""A user's first run on a handful of samples: clean data passes verify, and the tests too few samples cannot calibrate
+are said, not run, as `dvc repro` meets it.
+
+Per architecture the embedded target as params.yaml builds it, trained by the model stage for a tenth of the default's
+steps or less (a weakly trained target's states are the least predictable from each other), then clean runs
+of several sizes (`data.max_samples`), data seeds and stored dtypes, each through `dvc repro verify` (check, prepare,
+extract, verify), some judged again under another `verify.seed` (other folds, halves, judged positions and reference
+samples: only verify re-runs). 3 min 14 s on the 2-core CPU. Every run must pass, with the whole-sample tests reported not run
+(each sample is one of their scores, and their threshold is fitted to the tail of 300: judged at the normal z* with
+the median of 8-24 samples a fold, clean runs of these sizes failed, docs/ARCHITECTURE.md "Per-sample tests: what is
+caught, what cannot be") in the stage's lines, the report, metrics/verify.json and the verdict.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.test_dvc_invalidation import merge
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+WHOLE_MIN_SAMPLES = 300
+TRAIN_STEPS = {"llama": 30, "deepseek_v3": 20}  # the default: 300 (here the model stage takes 23 s and 34 s)
+# (data.max_samples, data.seed, extract.dtype, verify.seed of each verify run of that extraction). Not here: the
+# DeepSeek-V3 trained 20 steps stored in fp8, whose clean residuals are far below fp8's rounding (docs/ARCHITECTURE.md
+# "Small runs: tests not run"): it fails at 100 samples as at 24, whatever the run's size
+RUNS = {
+    "llama": [(8, 0, "float32", (0, 1)), (24, 1, "float8_e4m3", (0,))],
+    "deepseek_v3": [(12, 0, "bfloat16", (0, 1)), (40, 2, "float32", (0,))],
+}
+
+
+def dvc(root: Path, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run([str(BIN / "dvc"), *args], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+
+
+def set_params(root: Path, **values) -> None:
+    """`values` as "section.key" (with "__" for the dots) -> value, written into the project's params.yaml."""
+    path = root / "params.yaml"
+    params = yaml.safe_load(path.read_text())
+    for dotted, value in values.items():
+        *head, last = dotted.split("__")
+        d = params
+        for part in head:
+            d = d[part]
+        d[last] = value
+    path.write_text(yaml.safe_dump(params, sort_keys=False))
+
+
+@pytest.fixture(scope="module", params=list(RUNS))
+def project(request, tmp_path_factory) -> tuple[str, Path]:
+    architecture = request.param
+    root = tmp_path_factory.mktemp(f"small-{architecture}")
+    for name in ("pipeline", "data", "bin"):
+        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
+    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()),
+                   {"model": {"embedded": {"architecture": architecture, "train_steps": TRAIN_STEPS[architecture]}}})
+    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+    subprocess.run([str(BIN / "dvc"), "init", "--no-scm", "-q"], cwd=root, check=True)
+    return architecture, root
+
+
+def test_clean_small_runs_pass_and_say_which_tests_did_not_run(project):
+    architecture, root = project
+    for samples, data_seed, dtype, verify_seeds in RUNS[architecture]:
+        for verify_seed in verify_seeds:
+            set_params(root, data__max_samples=samples, data__seed=data_seed, extract__dtype=dtype, verify__seed=verify_seed)
+            proc = dvc(root, "repro", "verify")
+            out = proc.stdout + proc.stderr
+            run = f"{architecture}, {samples} samples, data seed {data_seed}, {dtype}, verify seed {verify_seed}"
+            assert proc.returncode == 0, f"{run}: clean data failed verify\n{out[-4000:]}"
+            metrics = json.loads((root / "metrics" / "verify.json").read_text())
+            verdict = json.loads((root / "artifacts" / "verify" / "verdict.json").read_text())
+            assert metrics["num_samples"] == samples and metrics["dtype"] == dtype, run
+            assert metrics["verdict"] == verdict["verdict"] == "passed, with these tests not run", run
+            assert metrics["tests_not_run"] == verdict["tests_not_run"], run
+            whole = [t for t in metrics["tests_not_run"] if t["test"].startswith("the whole-sample tests")]
+            assert len(whole) == 1 and (whole[0]["have"], whole[0]["needs"], whole[0]["unit"]) == (
+                samples, WHOLE_MIN_SAMPLES, "samples"), (run, metrics["tests_not_run"])
+            assert metrics["sample_tests"]["max_whole_sample_z"] is None, run
+            assert "[verify] passed, with these tests not run:" in out, run
+            assert f"this run has {samples} samples, it runs from {WHOLE_MIN_SAMPLES}" in out, run
+            report = (root / "reports" / "verify" / "report.md").read_text()
+            assert report.startswith("# Hidden-state verification: PASSED, with these tests not run"), run
+            assert "## Tests not run" in report and f"it runs from {WHOLE_MIN_SAMPLES}" in report, run
