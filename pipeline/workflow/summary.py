@@ -52,7 +52,13 @@ def _extract(m: dict) -> str:
 def _verify(m: dict) -> str:
     checks = m.get("checks") or {}
     judged = (m.get("sample_tests") or {}).get("judged_positions")
-    return (f"verify: {'passed' if m.get('passed') else 'FAILED'}, every one of {m.get('num_samples', '?')} samples "
+    not_run = m.get("tests_not_run") or []
+    verdict = "passed" if m.get("passed") else "FAILED"
+    if m.get("passed") and not_run:  # a small run: what could not be judged is said, not passed over
+        verdict = ("passed, with these tests not run: "
+                   + ", ".join(sorted({f"{e['test'].split(' (')[0]} (from {e['needs']:,} {e['unit']})" for e in not_run}))
+                   + ";")
+    return (f"verify: {verdict}{'' if verdict.endswith(';') else ','} every one of {m.get('num_samples', '?')} samples "
             f"({_n(m.get('num_tokens', '?'))} tokens) judged"
             + (f", {_n(judged)} positions by the per-sample tests" if judged else "")
             + f", {len(m.get('reference_samples', []))} re-computed by a transformers reference"
