@@ -9,7 +9,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout lock $(STAGES)
 
 setup: $(STAMP)
 
@@ -113,3 +113,10 @@ docker-shell: setup
 
 clean-venv:
 	rm -rf $(VENV)
+
+# The GPU stack's hash-pinned lock (requirements/gpu.txt) from its pins (requirements/gpu.in), for
+# CPython 3.12 on Linux x86_64 whatever machine runs it: uv resolves for another platform and takes
+# the hashes from the index, downloading nothing.
+lock: setup
+	$(VENV)/bin/uv pip compile requirements/gpu.in --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
+	  --generate-hashes --no-header --index-url https://pypi.org/simple -o requirements/gpu.txt
