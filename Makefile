@@ -114,9 +114,12 @@ docker-shell: setup
 clean-venv:
 	rm -rf $(VENV)
 
-# The GPU stack's hash-pinned lock (requirements/gpu.txt) from its pins (requirements/gpu.in), for
-# CPython 3.12 on Linux x86_64 whatever machine runs it: uv resolves for another platform and takes
-# the hashes from the index, downloading nothing.
+# The GPU stack's hash-pinned locks (requirements/gpu-cp3XX.txt, one per supported CPython) from its
+# pins (requirements/gpu.in), for Linux x86_64 whatever machine runs it: uv resolves for another
+# platform and takes the hashes from the index, downloading nothing.
+GPU_PYTHONS := 3.11 3.12
 lock: setup
-	$(VENV)/bin/uv pip compile requirements/gpu.in --python-version 3.12 --python-platform x86_64-manylinux_2_28 \
-	  --generate-hashes --no-header --index-url https://pypi.org/simple -o requirements/gpu.txt
+	for v in $(GPU_PYTHONS); do \
+	  $(VENV)/bin/uv pip compile requirements/gpu.in --python-version $$v --python-platform x86_64-manylinux_2_28 \
+	    --generate-hashes --no-header --index-url https://pypi.org/simple -o requirements/gpu-cp$${v/./}.txt || exit 1; \
+	done
