@@ -107,8 +107,23 @@ def pip(*args: str, quiet: bool = True) -> None:
     subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", *(["-q"] if quiet else []), *args], check=True)
 
 
+def dvc_without_git() -> None:
+    """A tree with no git repository around it (a tarball, `git archive`, a host without git): DVC refuses to run
+    there unless told to work without one, which .dvc/config.local (never committed) says."""
+    if any((d / ".git").exists() for d in (ROOT, *ROOT.parents)):
+        return
+    local = ROOT / ".dvc" / "config.local"
+    if local.exists() and "no_scm" in local.read_text():
+        return
+    with open(local, "a") as f:
+        f.write("[core]\n    no_scm = true\n")
+    say(f"{ROOT} is not in a git repository: DVC will run without git (core.no_scm in .dvc/config.local); after "
+        "`git init`, remove that file to let DVC use git")
+
+
 def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
     start = time.monotonic()
+    dvc_without_git()
     base = resolve(python or "python3")
     facts = python_facts(base)
     on_top = bool(python) and stack == GPU
