@@ -18,12 +18,13 @@ from pipeline.errors import PipelineError
 from pipeline.extraction.capacity import IDS_MASK_BYTES
 from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
-from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
+from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, read_meta, write_shard
 from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.params import ModelParams
 from pipeline.target import load_target
 from pipeline.verification.reference.model import ReferenceModel
 from tests.conftest import EXTRACT_PARAMS, copy_project, run_stage
+from tests.layer_scale import scale_layer, verify_names_the_scale
 
 FP8 = fp8.STORAGE_DTYPE
 VERIFY = {"reference_samples": 4}
@@ -248,6 +249,13 @@ def test_fault_is_caught_on_fp8(project: Path, fault: str, check: str, words: tu
     for shard in victims:
         replant(shard, _edit_all(plant))
     verify_fails(project, check, *words)
+
+
+@pytest.mark.slow
+def test_a_layer_scaled_by_2pct_is_caught_on_fp8(project: Path):
+    """Inside the quantization's per-element tolerance, but not inside the projection ratio's bound."""
+    scale_layer(project, 1, 1.02)
+    verify_names_the_scale(project, read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"][1], **VERIFY)
 
 
 @pytest.mark.slow
