@@ -63,6 +63,27 @@ def test_rounding_variance_predicts_the_rounding_energy():
     assert torch.equal(fp8.row_scale(back), scale)
 
 
+def test_rounding_gains_are_made_in_bounded_chunks():
+    """The per-sample tests' rounding gains (`RoundingFloor._noise_gains`), made GAIN_CHUNK_ELEMENTS of [rows, L, H]
+    at a time, equal the whole [LH, L, H] product's: at L 2 x H 2304 the rows take two chunks, the last one partial."""
+    from pipeline.verification.samples.rounding import GAIN_CHUNK_ELEMENTS, RoundingFloor
+
+    L, H, C = 2, 2304, 16
+    LH = L * H
+    assert GAIN_CHUNK_ELEMENTS // LH < LH < 2 * (GAIN_CHUNK_ELEMENTS // LH)
+    g = torch.Generator().manual_seed(2)
+    floor = RoundingFloor()
+    floor.layer_ids, floor.embedding, floor._compute_cache = [4, 8], torch.zeros(1, H), {}
+    floor.weights = {0: torch.randn(LH + 8, LH, generator=g) / LH**0.5}
+    floor.whiteners = {(0, 0): (torch.randn(L, H, C, generator=g), torch.rand(L, C, generator=g))}
+    whole = torch.eye(LH, dtype=torch.float64) - floor.weights[0][:LH].double()  # [LH, LH]: row k, column (j, h)
+    vectors, w = floor.whiteners[(0, 0)]
+    plain = whole.view(LH, L, H).square().sum(-1)
+    whitened = torch.einsum("kjh,jhc->kjc", whole.view(LH, L, H), (vectors * w[:, None, :]).double()).square().sum(-1)
+    torch.testing.assert_close(floor._noise_gains(0), plain.float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(floor._noise_gains(0, 0), whitened.float(), rtol=1e-4, atol=0)
+
+
 def test_non_finite_values_stay_non_finite():
     x = torch.ones(2, 2, 8)
     x[0, 1, 3], x[1, 0, 0] = float("nan"), float("inf")
