@@ -19,6 +19,7 @@ from pipeline.errors import PipelineError
 from pipeline.extraction import vllm_compat
 from pipeline.target import Target, fingerprint_model_dir, write_target
 from tests.conftest import EXTRACT_PARAMS, build_tiny_deepseek_v3, copy_project, make_prepared, run_stage
+from tests.layer_scale import scale_layer, verify_names_the_scale
 
 pytestmark = pytest.mark.slow
 NUM_SAMPLES = 10
@@ -151,10 +152,11 @@ def test_bf16_tolerance_absorbs_a_routing_flip_but_not_a_systematic_error(system
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3"])
-def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_path: Path, dtype: str):
+def test_bf16_extraction_passes_and_a_scaled_layer_fails(ds_extracted: Path, tmp_path: Path, dtype: str):
     """bf16 with MoE routing flips, stored as computed or as fp8: each sample's per-sample tests
     (pipeline/verification/samples/scores.py) raise no alarm, the clean run's highest window score stays below the
-    threshold, and (fp8) every check passes with the quantization's tolerances."""
+    threshold, and (fp8) every check passes with the quantization's tolerances. One layer scaled by 1.02 in every
+    sample hides inside those tolerances; the reference check's projection ratio names it."""
     project = copy_project(ds_extracted, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR)
     run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": dtype})
     run_stage(project, "verify", **VERIFY)
@@ -163,4 +165,6 @@ def test_bf16_extraction_passes_every_per_sample_test(ds_extracted: Path, tmp_pa
     tests = m["sample_tests"]
     assert max(tests["max_z"]) < tests["z_threshold"]
     print(f"{dtype} DeepSeek-V3 per-sample tests: max z {max(tests['max_z']):.2f}, within {max(tests['max_within_z'] or [0]):.2f}, "
-          f"threshold {tests['z_threshold']}")
+          f"threshold {tests['z_threshold']}; projection ratios {[round(r['scale_ratio'], 5) for r in m['layers'].values()]}")
+    scale_layer(project, 1, 1.02)
+    verify_names_the_scale(project, m["layer_ids"][1], **VERIFY)

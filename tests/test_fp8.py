@@ -18,12 +18,13 @@ from pipeline.errors import PipelineError
 from pipeline.extraction.capacity import IDS_MASK_BYTES
 from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
-from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
+from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, read_meta, write_shard
 from pipeline.hidden_states.storage import state_bytes_per_token
 from pipeline.params import ModelParams
 from pipeline.target import load_target
 from pipeline.verification.reference.model import ReferenceModel
 from tests.conftest import EXTRACT_PARAMS, copy_project, run_stage
+from tests.layer_scale import scale_layer, verify_names_the_scale
 
 FP8 = fp8.STORAGE_DTYPE
 VERIFY = {"reference_samples": 4}
@@ -60,6 +61,27 @@ def test_rounding_variance_predicts_the_rounding_energy():
             share = predicted.sum(-1) / x.pow(2).sum(-1)
             assert abs(float(share.mean() / measured.mean()) - 1) < 0.02, (h, float(share.mean()), float(measured.mean()))
     assert torch.equal(fp8.row_scale(back), scale)
+
+
+def test_rounding_gains_are_made_in_bounded_chunks():
+    """The per-sample tests' rounding gains (`RoundingFloor._noise_gains`), made GAIN_CHUNK_ELEMENTS of [rows, L, H]
+    at a time, equal the whole [LH, L, H] product's: at L 2 x H 2304 the rows take two chunks, the last one partial."""
+    from pipeline.verification.samples.rounding import GAIN_CHUNK_ELEMENTS, RoundingFloor
+
+    L, H, C = 2, 2304, 16
+    LH = L * H
+    assert GAIN_CHUNK_ELEMENTS // LH < LH < 2 * (GAIN_CHUNK_ELEMENTS // LH)
+    g = torch.Generator().manual_seed(2)
+    floor = RoundingFloor()
+    floor.layer_ids, floor.embedding, floor._compute_cache = [4, 8], torch.zeros(1, H), {}
+    floor.weights = {0: torch.randn(LH + 8, LH, generator=g) / LH**0.5}
+    floor.whiteners = {(0, 0): (torch.randn(L, H, C, generator=g), torch.rand(L, C, generator=g))}
+    whole = torch.eye(LH, dtype=torch.float64) - floor.weights[0][:LH].double()  # [LH, LH]: row k, column (j, h)
+    vectors, w = floor.whiteners[(0, 0)]
+    plain = whole.view(LH, L, H).square().sum(-1)
+    whitened = torch.einsum("kjh,jhc->kjc", whole.view(LH, L, H), (vectors * w[:, None, :]).double()).square().sum(-1)
+    torch.testing.assert_close(floor._noise_gains(0), plain.float(), rtol=1e-5, atol=0)
+    torch.testing.assert_close(floor._noise_gains(0, 0), whitened.float(), rtol=1e-4, atol=0)
 
 
 def test_non_finite_values_stay_non_finite():
@@ -248,6 +270,13 @@ def test_fault_is_caught_on_fp8(project: Path, fault: str, check: str, words: tu
     for shard in victims:
         replant(shard, _edit_all(plant))
     verify_fails(project, check, *words)
+
+
+@pytest.mark.slow
+def test_a_layer_scaled_by_2pct_is_caught_on_fp8(project: Path):
+    """Inside the quantization's per-element tolerance, but not inside the projection ratio's bound."""
+    scale_layer(project, 1, 1.02)
+    verify_names_the_scale(project, read_meta(project / layout.HIDDEN_STATES_DIR)["layer_ids"][1], **VERIFY)
 
 
 @pytest.mark.slow

@@ -6,9 +6,10 @@ Each class is planted into its own sample of a real vLLM extraction, all in one 
 writer (so sha256, sizes and recorded statistics agree with the wrong data), each into a sample that is not among the
 reference samples and whose rows are no other planted sample's source; one verify must fail naming every planted
 sample (shard, sample, the layer where the class has one, positions) and no other sample. A clean run of the same
-extraction passes. On this shape a state's first captured layer carries much less of its own token than on a Llama,
-and the token test alone let shifted rows and another request's rows through (docs/ARCHITECTURE.md "Per-sample
-tests: what is caught, what cannot be", the token identity)."""
+extraction passes. On the DeepSeek-V3 shape a state's first captured layer carries much less of its own token than on
+a Llama, and the token test alone let shifted rows and another request's rows through (docs/ARCHITECTURE.md
+"Per-sample tests: what is caught, what cannot be", the token identity). On the bf16 Llama, the clean run with one
+layer scaled by 1.02 in every sample (tests/layer_scale.py) must then fail, the reference check naming the layer."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from pipeline.errors import PipelineError
 from pipeline.params import VerifyParams
 from pipeline.verification.reference.check import reference_selection
 from tests.conftest import EXTRACT_PARAMS, copy_project, make_prepared, run_stage
+from tests.layer_scale import scale_layer, verify_names_the_scale
 from tests.test_verify_samples import FAULTS, plant, samples_of
 
 pytestmark = pytest.mark.slow
@@ -109,5 +111,10 @@ def test_llama_bf16_every_class_caught_and_named(tiny_target, tmp_path: Path):
     run_stage(project, "extract", **{**EXTRACT_PARAMS, "dtype": "bfloat16"})
     faulty = copy_project(project, tmp_path / "faulty", layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
     run_stage(project, "verify", reference_samples=4)
-    assert json.loads((project / layout.METRICS / "verify.json").read_text())["checks"]["samples"] == "pass"
+    metrics = json.loads((project / layout.METRICS / "verify.json").read_text())
+    assert metrics["checks"]["samples"] == "pass"
     verify_names_every_victim(faulty, plant_every_class(faulty, 4), 4)
+    # one layer scaled by 1.02 in every sample: inside bf16's per-element tolerance, named by the projection ratio
+    print(f"bf16 Llama projection ratios {[round(r['scale_ratio'], 5) for r in metrics['layers'].values()]}")
+    scale_layer(project, 1, 1.02)
+    verify_names_the_scale(project, metrics["layer_ids"][1], reference_samples=4)

@@ -11,7 +11,8 @@ Checks (docs/ARCHITECTURE.md lists what each catches):
               the token's embedding; runs of sample_window positions tested against the run's and
               the sample's own windows at a Bonferroni-bounded false-alarm rate; layers exchanged
   reference   a seeded subset re-run through transformers: per-layer error and cosine, a
-              layer-identity matrix that must peak at the declared id, a +-1 token shift test
+              projection ratio (a systematic scale of a layer), a layer-identity matrix that must
+              peak at the declared id, a +-1 token shift test
   final_state on a seeded sample of masked positions per shard (final_state_positions_per_shard, of
               those the per-sample tests judge; null: every one): argmax(lm_head(norm(h_N))) against
               the next token, and against the reference forward's argmax on the reference subset

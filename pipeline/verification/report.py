@@ -156,7 +156,7 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         f"(sha256 checked on {s.get('hashed_shards')} of {s.get('num_shards')} shards) | {status['structure']} |",
         f"| values | no NaN/Inf, no all-zero or constant layer (per sample and layer, from the statistics the extractor recorded as it wrote them), no shard far off the others | {status['values']} |",
         f"| samples | every sample on its own: {samples_line(s)} | {status['samples']} |",
-        f"| reference | a transformers forward on {len(s.get('reference_samples', []))} seeded samples agrees per layer; each layer is closest to the reference state of its declared id; states align with their tokens (no +-1 shift) | {status['reference']} |",
+        f"| reference | a transformers forward on {len(s.get('reference_samples', []))} seeded samples agrees per layer, and no layer is scaled as a whole (its projection ratio on the reference near 1); each layer is closest to the reference state of its declared id; states align with their tokens (no +-1 shift) | {status['reference']} |",
         f"| final_state | lm_head(norm(h_N)) predicts like the target: argmax agreement {fmt(s.get('argmax_agreement'))} with the reference; next-token accuracy {fmt(s.get('final_state_next_token_acc'))} on {s.get('final_state_positions')} of the {s.get('masked_positions')} masked positions{positions_note} (reference forward: {fmt(s.get('reference_next_token_acc'))}) | {status['final_state']} |",
         f"| storage | {s.get('bytes_per_token')} bytes/token against a minimum of {s.get('min_bytes_per_token')} ({s.get('total_bytes')} bytes total) | {status['storage']} |",
         "",
@@ -181,13 +181,13 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out += [
             "## Per layer, against the reference forward",
             "",
-            f"| layer id | max abs error | rel. RMS error (pooled) | {bound} | cosine mean | cosine min | closest reference state | rel. error at t-1 / t / t+1 |",
-            "| --- | --- | --- | --- | --- | --- | --- | --- |",
+            f"| layer id | max abs error | rel. RMS error (pooled) | {bound} | projection ratio (allowed off 1) | cosine mean | cosine min | closest reference state | rel. error at t-1 / t / t+1 |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
         ]
         for r in report.layer_rows:
             out.append(
                 f"| {r['layer_id']} | {r['max_abs_error']:.3g} | {r['rel_rms_error']:.3g} | {r.get('allowed', float('nan')):.3g} | "
-                f"{r['cosine_mean']:.6f} | {r['cosine_min']:.6f} | {r['closest_reference']} | "
+                f"{r.get('scale_ratio', float('nan')):.5f} ({r.get('scale_bound', float('nan')):.2%}) | {r['cosine_mean']:.6f} | {r['cosine_min']:.6f} | {r['closest_reference']} | "
                 f"{r['shift_rel_error_-1']:.3g} / {r['shift_rel_error_0']:.3g} / {r['shift_rel_error_+1']:.3g} |"
             )
         out.append("")

@@ -48,11 +48,17 @@ class PooledError:
     statistic one such token in a 20-token sample could dominate, pooled it weighs 1/(all tokens),
     as it does in the independent reference it is compared with. A systematic fault (wrong
     kernel, wrong layer) raises every token's error, so the pooled figure and the median move.
+
+    It also keeps sum <c, r>: the projection ratio (`scale_ratio`) says how much of the reference the
+    captured states hold along the reference itself. Rounding and routing flips point every which way
+    and leave it near 1; a scale of the whole layer (a misapplied scale factor, a skipped norm weight)
+    moves it by that scale, in every token alike, even where the scale hides inside the relative error.
     """
 
     def __init__(self) -> None:
         self.diff_sq = 0.0
         self.ref_sq = 0.0
+        self.dot = 0.0
         self.per_token: list[torch.Tensor] = []
 
     def add(self, captured: torch.Tensor, reference: torch.Tensor) -> None:
@@ -61,11 +67,17 @@ class PooledError:
         n = r.norm(dim=-1)
         self.diff_sq += d.pow(2).sum().item()
         self.ref_sq += n.pow(2).sum().item()
+        self.dot += (c * r).sum().item()
         self.per_token.append((d / n.clamp_min(1e-12)).cpu())
 
     @property
     def rel_rms(self) -> float:
         return (self.diff_sq / max(self.ref_sq, 1e-24)) ** 0.5
+
+    @property
+    def scale_ratio(self) -> float:
+        """sum <c, r> / sum ||r||^2 over every token: 1 + s for captured states r (1 + s) plus unbiased error."""
+        return self.dot / max(self.ref_sq, 1e-24)
 
     def quantile(self, q: float) -> float:
         if not self.per_token:

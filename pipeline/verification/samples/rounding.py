@@ -8,6 +8,8 @@ import torch
 
 from pipeline.hidden_states import fp8
 
+GAIN_CHUNK_ELEMENTS = 1 << 24  # float32 elements of one chunk of `_noise_gains`' [rows, L, H] temporaries: 64 MiB
+
 
 class RoundingFloor:
     """The expected rounding energy of fp8 states in each residual, from the fitted predictors (`Coherence`'s
@@ -18,19 +20,30 @@ class RoundingFloor:
         (the error model in `_rounding_noise`). Layer j's residual is h_j - (layers) @ W[:LH, j]: an element's rounding
         error e enters it as e (k = j) minus e W[kH + h, j] (the prediction of j from layer k), so its gain on layer j is
         ||E_j[kH + h] - W[kH + h, j]||^2 (E_j: layer j's own rows of the identity); the whitened test projects the
-        residual onto U diag(weights) first (half given), ||(E_j - W[:, j]) U_j diag(w_j)||^2."""
+        residual onto U diag(weights) first (half given), ||(E_j - W[:, j]) U_j diag(w_j)||^2. Each input row's gains
+        are its own, so they are made GAIN_CHUNK_ELEMENTS of [rows, L, H] at a time: the temporaries stay near 4 such
+        chunks (256 MiB) whatever L x H (whole, [LH, L, H] in fp32 was 1 GiB a copy at 4 layers of H 4096)."""
         weights = self.weights[fold]
         key = ("noise", fold, half)
         cached = self._compute_cache.get(key)
         if cached is None or cached[0] is not weights:
             L, H = len(self.layer_ids), self.embedding.shape[1]
-            blocks = -weights[: L * H, : L * H].float()  # a copy: negated
-            blocks.diagonal().add_(1)
-            blocks = blocks.view(L * H, L, H)  # [LH, j, H]
+            LH = L * H
+            basis = None
             if half is not None:
                 vectors, w = self.whiteners[(fold, half)]
-                blocks = torch.einsum("kjh,jhc->kjc", blocks, (vectors * w[:, None, :]).float())
-            cached = self._compute_cache[key] = (weights, blocks.square().sum(-1))
+                basis = (vectors * w[:, None, :]).float()
+            gains = torch.empty(LH, L, dtype=torch.float32, device=weights.device)
+            rows = max(1, GAIN_CHUNK_ELEMENTS // LH)
+            for a in range(0, LH, rows):
+                b = min(a + rows, LH)
+                blocks = -weights[a:b, :LH].float()  # a copy: negated
+                blocks.diagonal(offset=a).add_(1)  # input row a + i is element (a + i) of the identity
+                blocks = blocks.view(b - a, L, H)  # [rows, j, H]
+                if basis is not None:
+                    blocks = torch.einsum("kjh,jhc->kjc", blocks, basis)
+                gains[a:b] = blocks.square().sum(-1)
+            cached = self._compute_cache[key] = (weights, gains)
         return cached[1]
 
     def _rounding_noise(self, h: torch.Tensor, fold: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
