@@ -15,10 +15,12 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-# pip's configuration on this machine adds local indexes and find-links: offline means none of them either
-OFFLINE_ENV = {k: v for k, v in os.environ.items() if not k.startswith(("PIP_", "VIRTUAL_ENV"))} | {
-    "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+# a user's shell: not inside this checkout's venv
+USER_ENV = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"} | {
     "PATH": os.pathsep.join(p for p in os.environ["PATH"].split(os.pathsep) if ".venv" not in p)}
+# pip's configuration on this machine adds local indexes and find-links: offline means none of them either
+OFFLINE_ENV = {k: v for k, v in USER_ENV.items() if not k.startswith("PIP_")} | {
+    "PIP_CONFIG_FILE": os.devnull, "PIP_RETRIES": "0", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 
 
 def tracked_copy(dst: Path) -> Path:
@@ -35,7 +37,8 @@ def make(root: Path, *args: str, offline: bool = False, timeout: int = 900) -> s
     cmd = ["make", "--no-print-directory", *args]
     if offline:
         cmd = ["unshare", "--map-root-user", "--net", *cmd]
-    return subprocess.run(cmd, cwd=root, env=OFFLINE_ENV, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(cmd, cwd=root, env=OFFLINE_ENV if offline else USER_ENV, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 @pytest.fixture(scope="module")

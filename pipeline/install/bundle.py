@@ -192,6 +192,10 @@ def write(stack: str, out: Path, python_version: str | None = None, host_package
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
     try:
         _write(stack, work, out, python_version, host_packages, cut_arch, part_mib)
+    except subprocess.CalledProcessError as e:
+        shutil.rmtree(work, ignore_errors=True)
+        raise SystemExit(f"[bundle] failed: `{' '.join(e.cmd[2:5])} ...` exited {e.returncode} (its output is above); "
+                         f"nothing was written to {out}") from None
     except BaseException:
         shutil.rmtree(work, ignore_errors=True)
         raise
