@@ -12,8 +12,10 @@ Linux x86_64 whatever machine writes it. Two options shrink it for hosts that ta
 
 from __future__ import annotations
 
+import csv
 import datetime
 import hashlib
+import io
 import json
 import platform
 import shutil
@@ -115,9 +117,9 @@ def download_cpu(wheels: Path) -> None:
     pip("wheel", "-q", "--no-deps", "-w", str(wheels), "-r", str(REQUIREMENTS / "no-deps.txt"))
 
 
-def record_line(name: str, data: bytes) -> str:
+def record_row(name: str, data: bytes) -> list[str]:
     digest = urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-    return f"{name},sha256={digest},{len(data)}"
+    return [name, f"sha256={digest}", str(len(data))]
 
 
 def rewrite_wheel(wheel: Path, drop: tuple[str, ...] = (), cut_arch: int | None = None) -> tuple[int, int]:
@@ -141,8 +143,11 @@ def rewrite_wheel(wheel: Path, drop: tuple[str, ...] = (), cut_arch: int | None 
             after += len(data)
             info.compress_type = zipfile.ZIP_STORED
             dst.writestr(info, data)
-            records.append(record_line(info.filename, data))
-        dst.writestr(record_name, "\n".join([*records, f"{record_name},,"]) + "\n")
+            records.append(record_row(info.filename, data))
+        # RECORD is CSV: vLLM's tuning files have commas in their names
+        text = io.StringIO()
+        csv.writer(text, lineterminator="\n").writerows([*records, [record_name, "", ""]])
+        dst.writestr(record_name, text.getvalue())
     out.replace(wheel)
     return before, after
 

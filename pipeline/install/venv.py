@@ -40,8 +40,9 @@ from pipeline.install.unbundle import Bundle, open_bundle
 
 VENV = ROOT / ".venv"
 RECORD = VENV / "eagle3-stack.json"
-FACTS = """import importlib.metadata as m, json, os, platform, sys
+FACTS = """import importlib.metadata as m, json, os, platform, site, sys
 print(json.dumps({"executable": os.path.realpath(sys.executable), "version": "%d.%d" % sys.version_info[:2],
+                  "site": [p for p in site.getsitepackages() if os.path.isdir(p)],
                   "machine": platform.machine(), "system": platform.system(),
                   "packages": {d.metadata["Name"]: d.version for d in m.distributions() if d.metadata["Name"]}}))"""
 # pip check's two kinds of line
@@ -143,6 +144,8 @@ def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
         say(f"building .venv: the {stack} stack ({why}) on {base} (CPython {facts['version']})"
             + (", seeing its own packages" if on_top else "") + (f", from the bundle {bundle.path}" if bundle else ""))
         subprocess.run([base, "-m", "venv", *(["--system-site-packages"] if on_top else []), str(VENV)], check=True)
+        if on_top:
+            _see_base_packages(facts)
         src = ["--no-index", "--find-links", str(bundle.wheels)] if bundle else []
         if stack == CPU:
             _install_cpu(src, upgrade_pip=bundle is None)
@@ -154,6 +157,13 @@ def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
         pip("install", "--no-deps", *src, "-e", str(ROOT))
     RECORD.write_text(json.dumps(want, indent=1) + "\n")
     say(_summary(stack, base, facts, on_top, time.monotonic() - start))
+
+
+def _see_base_packages(facts: dict) -> None:
+    """--system-site-packages shows the base interpreter's packages; where PYTHON is itself a venv (or conda env),
+    its own site-packages hold what it has: a .pth file adds them after .venv's own, which shadow them."""
+    site = VENV / "lib" / f"python{facts['version']}" / "site-packages"
+    (site / "_eagle3_base_python.pth").write_text("".join(f"{p}\n" for p in facts["site"]))
 
 
 def _reuse_or_clear(want: dict, why: str) -> bool:
@@ -241,8 +251,8 @@ def _check(lock: dict, left_out: set[str]) -> tuple[list[str], list[str]]:
             requirer, dep = normalize(m.group(1)), normalize(m.group(4))
             if requirer not in lock:
                 continue
-            if dep in GPU_SUPPORTED or dep not in lock:
-                problems.append(f"{line} (supported: {dep} {m.group(3)})")
+            if dep in GPU_SUPPORTED or dep not in lock or m.group(5) == lock[dep].version:
+                problems.append(line)
             elif dep not in stale:
                 stale.append(dep)
         elif m := ABSENT.match(line):
