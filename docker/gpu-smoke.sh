@@ -39,19 +39,35 @@ fi
 phase "image $tag" "$t"
 
 # As the launcher runs a stage, less --gpus (no GPU here): another uid, no network, the working
-# tree read-only at its own path, the params file beside it
+# tree read-only at its own path, the params file beside it. -i: the first check is a script on stdin
+# (without it python3 would read nothing and pass).
 t=$(date +%s)
-run() { docker run --rm --network none -u "$(id -u):$(id -g)" -v "$PWD:$PWD:ro" -v "$params:$params:ro" -w "$PWD" "$tag" "$@"; }
+run() { docker run -i --rm --network none -u "$(id -u):$(id -g)" -v "$PWD:$PWD:ro" -v "$params:$params:ro" -w "$PWD" "$tag" "$@"; }
 run python3 - <<'PY'
 import os, sysconfig
-import vllm, torch, speculators, dvc.version, pipeline  # noqa: F401  (the brief's import line)
+from importlib.metadata import version
+import vllm, torch, speculators, dvc, pipeline  # noqa: F401
 from vllm.platforms import current_platform
 print(f"vllm {vllm.__version__}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
-      f"speculators {speculators.__version__}, dvc {dvc.version.__version__}")
+      f"speculators {version('speculators')}, dvc {version('dvc')}")
 print(f"no GPU here: torch.cuda.is_available() = {torch.cuda.is_available()}, "
       f"vLLM's platform {type(current_platform).__name__}")
 # Triton compiles its CUDA launcher against Python.h when a kernel first runs (why python3-dev)
 assert os.path.isfile(os.path.join(sysconfig.get_paths()["include"], "Python.h")), "no Python.h"
+# vLLM's compiled CUDA ops load only where the driver's libcuda.so.1 is (`docker run --gpus` mounts it
+# from the host): each may fail here for that reason alone, so every other library they link is in the image
+import importlib, pathlib
+need_driver = []
+for so in sorted(pathlib.Path(vllm.__file__).parent.glob("*.abi3.so")):
+    name = "vllm." + so.name.split(".")[0]
+    try:
+        importlib.import_module(name)
+    except ImportError as e:
+        if "libcuda.so.1" not in str(e):
+            raise
+        need_driver.append(name)
+print(f"vLLM's compiled modules that need the driver's libcuda.so.1 (absent here): {', '.join(need_driver)}")
+print("imports: ok")
 PY
 run python3 -m pipeline --params "$params" check-params
 run python3 -m pipeline --help >/dev/null
