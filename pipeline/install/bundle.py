@@ -39,7 +39,7 @@ SDIST_ONLY = {"antlr4-python3-runtime"}
 # tokenizers, CUDA compilers (nvcc, nvvm: only JIT kernel builds need them), Ray (extract.engine: ray) and DVC's S3
 # remote with its boto stack. `make setup` names them; a feature that needs one says so when it is used.
 CUT_LEAVES_OUT = {
-    "flashinfer-python", "flashinfer-cubin", "tilelang", "z3-solver", "apache-tvm-ffi", "nvidia-cutlass-dsl",
+    "flashinfer-python", "flashinfer-cubin", "tilelang", "z3-solver", "nvidia-cutlass-dsl",
     "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu12",
     "nvidia-cutlass-dsl-libs-cu13", "quack-kernels", "deep-gemm", "humming-kernels", "tokenspeed-mla",
     "tokenspeed-triton", "fastsafetensors", "torchcodec", "cuda-tile", "mistral-common", "pycountry", "anthropic",

@@ -150,7 +150,7 @@ def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
         if stack == CPU:
             _install_cpu(src, upgrade_pip=bundle is None)
         elif on_top:
-            _install_on_top(facts, src, bundle)
+            _install_on_top(base, facts, src, bundle)
         else:
             say(f"installing {gpu_lock(facts['version']).name} (hash-checked)")
             pip("install", "--require-hashes", *src, "-r", str(gpu_lock(facts["version"])))
@@ -201,13 +201,13 @@ def _install_cpu(src: list[str], upgrade_pip: bool) -> None:
     pip("install", "--no-deps", *src, "-r", str(REQUIREMENTS / "no-deps.txt"))
 
 
-def _install_on_top(facts: dict, src: list[str], bundle: Bundle | None) -> None:
+def _install_on_top(base: str, facts: dict, src: list[str], bundle: Bundle | None) -> None:
     """The lock's packages that the Python lacks, then what `pip check` finds too old among them, from the lock."""
     lock = read_lock(gpu_lock(facts["version"]))
     left_out = set(bundle.manifest["left_out"]) if bundle else set()
     missing = [n for n in lock if n not in facts["packages"] and n not in left_out]
     say(f"{len(lock) - len(missing) - len(left_out & set(lock))} of the {len(lock)} locked packages are in "
-        f"{facts['executable']} already; installing the {len(missing)} it lacks"
+        f"{base} already; installing the {len(missing)} it lacks"
         + (f"; left out by the bundle's cut: {len(left_out & set(lock))} (its manifest.json names them)"
            if left_out else ""))
     _install_locked(lock, missing, src, bundle)
@@ -217,7 +217,7 @@ def _install_on_top(facts: dict, src: list[str], bundle: Bundle | None) -> None:
             refuse("the packages in .venv do not fit together (pip check):\n  " + "\n  ".join(problems))
         if not stale:
             return
-        say(f"{len(stale)} package(s) {facts['executable']} holds are older than the stack needs; installing the "
+        say(f"{len(stale)} package(s) {base} holds are older than the stack needs; installing the "
             f"locked ones into .venv: {', '.join(f'{n}=={lock[n].version}' for n in stale)}")
         _install_locked(lock, stale, src, bundle)
     refuse("pip check still finds conflicts after installing the locked versions: see `.venv/bin/pip check`")
