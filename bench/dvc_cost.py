@@ -23,8 +23,7 @@ when the cmd starts and ends (the stage alone runs through the same shell). DVC'
 repro's time before the cmd + after it (loading, output removal, then md5 of every file, the copy
 or links into the cache, dvc.lock) minus the stage alone's (~0).
 
-DVC runs as `python -m dvc` with this interpreter (no `dvc` executable is needed: the offline GPU
-host has DVC only as a PYTHONPATH directory, bench/gpu/pack-dvc.sh). Nothing of the project's own
+DVC runs as `python -m dvc` with this interpreter (no `dvc` executable on PATH is needed). Nothing of the project's own
 config is left changed: a `--cache-type` is set with `dvc config --local` for the run and the
 previous value put back, likewise cache.dir; the new output is committed into the project's own
 cache at the end (untimed; not with --scratch-project). The goal: `make extract` <= 1.10 x the stage alone. Prints one

@@ -1,18 +1,18 @@
 #!/usr/bin/env python3
 """The GPU bench: the extract stage against plain prefill and the roofline, verify's cost, and the jobs below.
 
-Runs from the repo root on an offline GPU host (Python 3.12, torch 2.11 + CUDA, transformers 5.17) with vLLM 0.26.0
-and the packages it imports on PYTHONPATH, and `datasets` 5.1.0 + `multiprocess` 0.70.19 (bench/gpu/pack-speculators.sh
-carries both); MoE jobs also need vLLM's MoE extension (bench/gpu/pack-moe.sh), the DVC jobs DVC
-(bench/gpu/pack-dvc.sh), `ray` Ray (bench/gpu/pack-ray). docs/BENCHMARKS.md "GPU hosts" has the packs and the
-unpack lines; bench/README.md the command behind each figure. One host, one GPU unless said:
+Runs from the repo root on an offline GPU host (Python 3.12, torch 2.11 + CUDA, transformers 5.17) in the .venv that
+`make setup PYTHON=python3 BUNDLE=dir` builds there from a `make bundle` (vLLM 0.26.0 with its MoE extension,
+speculators 0.9.0, `datasets`, DVC 3.67.1); children run with this interpreter. `ray` also needs Ray
+(bench/gpu/pack-ray), `peer` vLLM's OpenAI server (a bundle made without BUNDLE_CUT_ARCH). docs/BENCHMARKS.md
+"GPU hosts" has the set-up; bench/README.md the command behind each figure. One host, one GPU unless said:
 
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dense               # stage, plain prefill, transformers, verify
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs verifyall --deadline 540   # verify's cost against the extraction
-    python3 bench/gpu_extract_bench.py --out $OUT --reuse --jobs peer --deadline 560  # against speculators
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560        # the seed's shape (+ MoE extension)
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs pipeline --deadline 540    # the whole pipeline (+ DVC)
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs dvccost --deadline 540     # DVC's own cost (+ DVC)
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs dense               # stage, plain prefill, transformers, verify
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs verifyall --deadline 540   # verify's cost against the extraction
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --reuse --jobs peer --deadline 560  # against speculators
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs seed --deadline 560        # the seed's shape
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs pipeline --deadline 540    # the whole pipeline
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs dvccost --deadline 540     # DVC's own cost
 
   dense     build, matmul, stage, plain, hf, verify on the 8B shape (1,048,576 tokens)
   verifyall the 8B extraction, then verify in cold processes and in modes the VERIFY_* variables add
@@ -38,7 +38,7 @@ unpack lines; bench/README.md the command behind each figure. One host, one GPU 
 
 On the 2 x GPU host, one command, jobs in priority order (a job the deadline reaches is skipped, not half-run):
 
-    python3 bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray --eager
+    .venv/bin/python bench/gpu_extract_bench.py --out $OUT --jobs tp,moe_tp,ray --eager
 
   tp      the stage on the 8B shape, 512 x 512-token prompts, TP=1 (GPU 0) then TP=2, same prepared data; verify
           on the TP=2 shards, compare (TP=2 vs TP=1 sample by sample: token ids, per layer rel. RMS error and

@@ -13,8 +13,8 @@ Disk: the H200 host has 64 GiB free on its one ext4 disk, and a run keeps up to 
 output at its peak with the copy type (dvc_cost.copies_needed), so the job sizes its own workload to
 the free space (512-token prompts, the dense shape's bytes per token) instead of reusing the dense
 job's 34 GB extraction, and first deletes the other bench projects' extractions (bench scratch,
-their numbers are in results.json already). DVC comes from the pack of bench/gpu/pack-dvc.sh on
-PYTHONPATH (`python3 -m dvc`), or the venv's.
+their numbers are in results.json already). DVC is the bench interpreter's (`python -m dvc`): the .venv's that
+`make setup BUNDLE=dir` builds on the host.
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def make_dvc_project(state: dict, name: str, proj: Path) -> None:
 
 def requirement_problems() -> list[str]:
     """Requirements of DVC's dependency closure that the installed distributions do not meet
-    (the pack leaves the image's own packages out, whose versions it cannot see)."""
+    (the bundle leaves the host's own packages out, whose versions it cannot see)."""
     import importlib.metadata as md
 
     from packaging.requirements import Requirement

@@ -110,7 +110,7 @@ def run_cold_process(proj: Path, code: str, code_dir: str | None = None, extra_e
 
 
 def py_spy() -> str | None:
-    """py-spy's binary: on PATH, or its manylinux wheel's contents unzipped into /tmp/site (no pack carries it)."""
+    """py-spy's binary: on PATH, or its manylinux wheel's contents unzipped into /tmp/site (the bundle does not carry it)."""
     import glob
     import shutil
 
