@@ -10,11 +10,12 @@ STAGES := model regenerate prepare extract verify train eval
 
 .PHONY: setup repro test test-container lint clean-venv push pull docker-build docker-base docker-shell docker-gpu-smoke plan sweep upgrade-layout lock bundle $(STAGES)
 
-# The stack: DEVICE=auto (an NVIDIA GPU here: the GPU stack, else the CPU one) | cpu | gpu. PYTHON=an existing
-# Python (the GPU stack: a venv on top of it, installing only what it lacks, refusing versions outside the
-# supported ones). BUNDLE=what `make bundle` wrote: installed from it with no network. .venv records its stack and
-# is rebuilt, never mixed, when another is asked for (pipeline/install/venv.py; docs/INSTALL.md).
-DEVICE ?= auto
+# The stack: DEVICE=cpu | gpu; unset, the stack .venv holds, or for a new .venv the GPU one where an NVIDIA GPU is
+# here (nvidia-smi -L), else the CPU one. PYTHON=an existing Python (the GPU stack: a venv on top of it, installing
+# only what it lacks, refusing versions outside the supported ones); unset, the one .venv was built on.
+# BUNDLE=what `make bundle` wrote: installed from it with no network. .venv records its stack and is rebuilt, never
+# mixed, when another is asked for (pipeline/install/venv.py; docs/INSTALL.md).
+DEVICE ?=
 PYTHON ?=
 BUNDLE ?=
 setup:

@@ -7,14 +7,14 @@ import argparse
 from pathlib import Path
 
 from pipeline.install import bundle, venv
-from pipeline.install.stacks import CPU, GPU, wanted_stack
+from pipeline.install.stacks import CPU, GPU
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m pipeline.install")
     sub = parser.add_subparsers(dest="command", required=True)
     s = sub.add_parser("setup", help="install the CPU or GPU stack into .venv")
-    s.add_argument("--device", default="auto", help="auto (an NVIDIA GPU here: gpu), cpu or gpu")
+    s.add_argument("--device", default="", help="cpu or gpu; unset: the stack .venv holds, else auto (a GPU here: gpu)")
     s.add_argument("--python", default="", help="an existing Python to build the venv on top of (its packages kept)")
     s.add_argument("--bundle", default="", help="a directory `make bundle` wrote: install from it, with no network")
     b = sub.add_parser("bundle", help="write the wheels of a stack for an offline host")
@@ -29,8 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "bundle":
         bundle.write(args.device, args.out, args.python_version, args.host_packages, args.cut_arch, args.part_mib)
     else:
-        stack, why = wanted_stack(args.device)
-        venv.setup(stack, why, args.python, Path(args.bundle) if args.bundle else None)
+        venv.setup(args.device, args.python, Path(args.bundle) if args.bundle else None)
 
 
 if __name__ == "__main__":

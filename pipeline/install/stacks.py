@@ -94,7 +94,7 @@ def machine_has_gpu() -> bool:
 
 
 def wanted_stack(device: str) -> tuple[str, str]:
-    """(stack, why) for DEVICE=auto|cpu|gpu."""
+    """(stack, why) for DEVICE=auto|cpu|gpu (unset: auto)."""
     if device in (CPU, GPU):
         return device, f"DEVICE={device}"
     if device not in ("", "auto"):

@@ -35,6 +35,7 @@ from pipeline.install.stacks import (
     release,
     span,
     stack_files,
+    wanted_stack,
 )
 from pipeline.install.unbundle import Bundle, open_bundle
 
@@ -95,12 +96,11 @@ def unsupported(packages: dict[str, str]) -> list[str]:
     return out
 
 
-def inputs_digest(stack: str, python_version: str, bundle: Bundle | None) -> str:
+def inputs_digest(stack: str, python_version: str) -> str:
+    """The requirement files the stack was installed from (not where from: a bundle holds the same pins)."""
     h = hashlib.sha256()
     for path in stack_files(stack, python_version):
         h.update(path.read_bytes())
-    if bundle is not None:
-        h.update(bundle.manifest_bytes)
     return h.hexdigest()[:16]
 
 
@@ -122,9 +122,18 @@ def dvc_without_git() -> None:
         "`git init`, remove that file to let DVC use git")
 
 
-def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
+def setup(device: str, python: str, bundle_path: Path | None) -> None:
+    """DEVICE unset keeps the stack .venv holds (auto-detected for a new one), PYTHON unset the Python it was built
+    on: a plain `make repro` after `make setup DEVICE=gpu PYTHON=... BUNDLE=...` reuses that venv as it is."""
     start = time.monotonic()
     dvc_without_git()
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else None
+    if device in ("", "auto") and record is not None:
+        stack, why = record["stack"], "kept: DEVICE=cpu or DEVICE=gpu picks the other"
+    else:
+        stack, why = wanted_stack(device)
+    if not python and record is not None and record["stack"] == stack and record["on_top"]:
+        python = record["base"]
     base = resolve(python or "python3")
     facts = python_facts(base)
     on_top = bool(python) and stack == GPU
@@ -137,8 +146,8 @@ def setup(stack: str, why: str, python: str, bundle_path: Path | None) -> None:
         refuse(f"PYTHON={python} holds versions the GPU stack does not run with:\n  " + "\n  ".join(problems)
                + "\n  Use a Python with supported versions, or leave PYTHON unset: a fresh venv gets the locked stack.")
     with open_bundle(bundle_path, stack, facts["version"], on_top) as bundle:
-        inputs = inputs_digest(stack, facts["version"], bundle)
-        want = {"stack": stack, "python": facts["executable"], "on_top": on_top, "inputs": inputs}
+        want = {"stack": stack, "python": facts["executable"], "base": base, "on_top": on_top,
+                "inputs": inputs_digest(stack, facts["version"])}
         if not _reuse_or_clear(want, why):
             return
         say(f"building .venv: the {stack} stack ({why}) on {base} (CPython {facts['version']})"
