@@ -28,7 +28,17 @@ from base64 import urlsafe_b64encode
 from pathlib import Path
 
 from pipeline.install import fatbin
-from pipeline.install.stacks import CPU, GPU, GPU_PYTHONS, REQUIREMENTS, ROOT, gpu_lock, normalize, read_lock
+from pipeline.install.stacks import (
+    CPU,
+    GPU,
+    GPU_PYTHONS,
+    GPU_SUPPORTED,
+    REQUIREMENTS,
+    ROOT,
+    gpu_lock,
+    normalize,
+    read_lock,
+)
 
 # Installed from the bundle whatever the host holds: what `pip install -e .` builds the project with.
 ALWAYS = {"setuptools"}
@@ -41,7 +51,7 @@ SDIST_ONLY = {"antlr4-python3-runtime"}
 CUT_LEAVES_OUT = {
     "flashinfer-python", "flashinfer-cubin", "tilelang", "z3-solver", "nvidia-cutlass-dsl",
     "nvidia-cutlass-dsl-libs-base", "nvidia-cutlass-dsl-libs-core", "nvidia-cutlass-dsl-libs-cu12",
-    "nvidia-cutlass-dsl-libs-cu13", "quack-kernels", "deep-gemm", "humming-kernels", "tokenspeed-mla",
+    "nvidia-cutlass-dsl-libs-cu13", "cuda-python", "quack-kernels", "deep-gemm", "humming-kernels", "tokenspeed-mla",
     "tokenspeed-triton", "fastsafetensors", "torchcodec", "cuda-tile", "mistral-common", "pycountry", "anthropic",
     "mcp", "mcp-types", "fastapi-cloud-cli", "model-hosting-container-standards", "uvicorn",
     "opentelemetry-api", "opentelemetry-sdk", "opentelemetry-proto", "opentelemetry-semantic-conventions",
@@ -83,13 +93,42 @@ def platform_flags(python_version: str) -> list[str]:
     return flags + ["--platform", "manylinux2014_x86_64", "--platform", "manylinux1_x86_64", "--platform", "any"]
 
 
-def host_inventory(path: Path) -> set[str]:
-    """Distribution names in a `pip list --format=freeze` file (or one name per line)."""
-    names = set()
+def host_inventory(path: Path) -> dict[str, str | None]:
+    """Distribution names (and versions, where given) in a `pip list --format=freeze` file or one name per line."""
+    held: dict[str, str | None] = {}
     for line in path.read_text().splitlines():
         for word in line.split("#")[0].split():
-            names.add(normalize(word.split("==")[0].split("@")[0]))
-    return names
+            name, _, version = word.partition("==")
+            held[normalize(name.split("@")[0])] = version or None
+    return held
+
+
+def host_conflicts(wheels: Path, held: dict[str, str | None], python_version: str) -> set[str]:
+    """Packages the host holds at a version that a wheel in `wheels` does not accept (vLLM pins numba exactly, for
+    one): their locked version goes into the bundle too, for `make setup` to install into .venv over the host's."""
+    from pip._vendor.packaging.requirements import Requirement  # pip's own copy: the online side has pip
+    from pip._vendor.packaging.version import InvalidVersion, Version
+
+    env = {"python_version": python_version, "python_full_version": f"{python_version}.0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "os_name": "posix",
+           "implementation_name": "cpython", "platform_python_implementation": "CPython", "extra": ""}
+    found = set()
+    for wheel in wheels.glob("*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        for line in meta.splitlines():
+            if not line.startswith("Requires-Dist:"):
+                continue
+            req = Requirement(line.partition(":")[2].strip())
+            version = held.get(normalize(req.name))
+            if version is None or (req.marker is not None and not req.marker.evaluate(env)):
+                continue
+            try:
+                if not req.specifier.contains(Version(version), prereleases=True):
+                    found.add(normalize(req.name))
+            except InvalidVersion:
+                continue
+    return found
 
 
 def download_gpu(wheels: Path, python_version: str, wanted: list) -> None:
@@ -210,7 +249,7 @@ def _write(stack, work, out, python_version, host_packages, cut_arch, part_mib) 
     bundle = work / "bundle"
     wheels = bundle / "wheels"
     wheels.mkdir(parents=True)
-    held = host_inventory(host_packages) - ALWAYS if host_packages else set()
+    held = {n: v for n, v in host_inventory(host_packages).items() if n not in ALWAYS} if host_packages else {}
     left_out = sorted(CUT_LEAVES_OUT) if cut_arch is not None else []
     if stack == GPU:
         lock = read_lock(gpu_lock(python_version))
@@ -218,6 +257,12 @@ def _write(stack, work, out, python_version, host_packages, cut_arch, part_mib) 
         say(f"GPU stack for CPython {python_version}: {len(wanted)} of the {len(lock)} locked packages "
             f"({len(lock) - len(wanted)} left out: held by the host or by the cut), hash-checked")
         download_gpu(wheels, python_version, wanted)
+        carried = {normalize(e.name) for e in wanted}
+        while extra := sorted(host_conflicts(wheels, held, python_version) - carried - set(GPU_SUPPORTED)):
+            say(f"the host's versions of {', '.join(f'{n} {held[n]}' for n in extra)} are not what the stack's "
+                "packages accept: their locked versions go in too")
+            download_gpu(wheels, python_version, [lock[n] for n in extra if n in lock])
+            carried |= set(extra)
     else:
         say(f"CPU stack for CPython {python_version}: requirements/cpu.txt and no-deps.txt")
         download_cpu(wheels)

@@ -220,14 +220,14 @@ def _install_on_top(base: str, facts: dict, src: list[str], bundle: Bundle | Non
         + (f"; left out by the bundle's cut: {len(left_out & set(lock))} (its manifest.json names them)"
            if left_out else ""))
     _install_locked(lock, missing, src, bundle)
-    for _ in range(2):
+    for _ in range(4):  # a locked version put in can ask for another one (numba for its llvmlite)
         stale, problems = _check(lock, left_out)
         if problems:
             refuse("the packages in .venv do not fit together (pip check):\n  " + "\n  ".join(problems))
         if not stale:
             return
-        say(f"{len(stale)} package(s) {base} holds are older than the stack needs; installing the "
-            f"locked ones into .venv: {', '.join(f'{n}=={lock[n].version}' for n in stale)}")
+        say(f"{len(stale)} package(s) {base} holds at versions the stack's packages do not accept; installing the "
+            f"locked ones into .venv, over its own: {', '.join(f'{n}=={lock[n].version}' for n in stale)}")
         _install_locked(lock, stale, src, bundle)
     refuse("pip check still finds conflicts after installing the locked versions: see `.venv/bin/pip check`")
 
@@ -251,7 +251,7 @@ def _install_locked(lock: dict, names: list[str], src: list[str], bundle: Bundle
 
 
 def _check(lock: dict, left_out: set[str]) -> tuple[list[str], list[str]]:
-    """(locked packages to install because the Python's own are too old, conflicts no install here can fix),
+    """(locked packages to install because the Python's own versions do not fit, conflicts no install here can fix),
     from `pip check`, counting only what the stack's own packages require."""
     out = subprocess.run([str(VENV / "bin" / "python"), "-m", "pip", "check"], capture_output=True, text=True).stdout
     stale, problems = [], []
