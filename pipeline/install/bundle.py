@@ -35,6 +35,7 @@ from pipeline.install.stacks import (
     GPU_SUPPORTED,
     REQUIREMENTS,
     ROOT,
+    TOLERATED,
     gpu_lock,
     normalize,
     read_lock,
@@ -116,10 +117,13 @@ def host_conflicts(wheels: Path, held: dict[str, str | None], python_version: st
     for wheel in wheels.glob("*.whl"):
         with zipfile.ZipFile(wheel) as z:
             meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+        name = normalize(next(line[5:].strip() for line in meta.splitlines() if line.startswith("Name:")))
         for line in meta.splitlines():
             if not line.startswith("Requires-Dist:"):
                 continue
             req = Requirement(line.partition(":")[2].strip())
+            if (name, normalize(req.name)) in TOLERATED:
+                continue
             version = held.get(normalize(req.name))
             if version is None or (req.marker is not None and not req.marker.evaluate(env)):
                 continue

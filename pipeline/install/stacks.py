@@ -31,6 +31,14 @@ GPU_SUPPORTED = {
 }
 
 
+# Requirements of the stack's packages that a Python's own version may break, and why that is safe here: the venv
+# keeps the Python's version and `make setup` says so (shadowing it would break what it was installed with).
+TOLERATED = {
+    ("vllm", "numba"): "vLLM 0.26.0 pins numba 0.65.0 for its n-gram speculative proposer, which the pipeline never "
+                       "runs; numba 0.65.0 would also need numpy < 2.5",
+}
+
+
 @dataclass(frozen=True)
 class Locked:
     """One entry of a hash-pinned lock: its lines (name==version and the --hash lines) as pip reads them."""

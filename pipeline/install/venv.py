@@ -29,6 +29,7 @@ from pipeline.install.stacks import (
     GPU_SUPPORTED,
     REQUIREMENTS,
     ROOT,
+    TOLERATED,
     gpu_lock,
     normalize,
     read_lock,
@@ -250,6 +251,9 @@ def _install_locked(lock: dict, names: list[str], src: list[str], bundle: Bundle
         pip("install", "--no-deps", "--require-hashes", *src, "-r", req.name)
 
 
+_SAID: set[tuple[str, str]] = set()
+
+
 def _check(lock: dict, left_out: set[str]) -> tuple[list[str], list[str]]:
     """(locked packages to install because the Python's own versions do not fit, conflicts no install here can fix),
     from `pip check`, counting only what the stack's own packages require."""
@@ -259,6 +263,12 @@ def _check(lock: dict, left_out: set[str]) -> tuple[list[str], list[str]]:
         if m := CONFLICT.match(line):
             requirer, dep = normalize(m.group(1)), normalize(m.group(4))
             if requirer not in lock:
+                continue
+            if (requirer, dep) in TOLERATED:
+                if (requirer, dep) not in _SAID:
+                    _SAID.add((requirer, dep))
+                    say(f"kept the Python's {dep} {m.group(5)} beside {requirer}'s pin {m.group(3)}: "
+                        f"{TOLERATED[requirer, dep]}")
                 continue
             if dep in GPU_SUPPORTED or dep not in lock or m.group(5) == lock[dep].version:
                 problems.append(line)
