@@ -154,6 +154,15 @@ def extract_metrics(extracted: Path, project_root: Path) -> dict:
     return json.loads((project_root / layout.METRICS / "extract.json").read_text())
 
 
+@pytest.fixture(scope="session")
+def cycle_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/tiny_project.py's target, trained once (300 optimizer steps); make_project(..., target=cycle_target)
+    copies it into each project. Read-only: a project's own copy is the one its stages use."""
+    from tests.tiny_project import make_target
+
+    return make_target(tmp_path_factory.mktemp("cycle-target") / "target")
+
+
 @pytest.fixture
 def stage_runner() -> Callable[..., None]:
     return run_stage
