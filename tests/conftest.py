@@ -197,7 +197,7 @@ def tiny_make_repro(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, sub
 def tiny_pipeline(tiny_make_repro: tuple[Path, subprocess.CompletedProcess]) -> Path:
     """The tiny embedded project after that `make repro`, which ran every stage: DVC's cache and run-cache inside it.
     Read-only: a test module works on a copy (shutil.copytree(..., symlinks=True)), as tests/test_dvc_invalidation.py,
-    test_remote.py and test_run_story.py do."""
+    test_remote.py, test_recovery.py and test_run_story.py do."""
     from tests.test_dvc_invalidation import ALL
 
     root, proc = tiny_make_repro
