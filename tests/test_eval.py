@@ -24,8 +24,8 @@ EVAL = {"num_speculative_tokens": K, "num_prompts": 8, "max_tokens": 24, "max_ac
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = make_project(tmp_path_factory.mktemp("eval"), n_heldout=8)
+def evaluated(tmp_path_factory: pytest.TempPathFactory, cycle_target: Path) -> Path:
+    root = make_project(tmp_path_factory.mktemp("eval"), n_heldout=8, target=cycle_target)
     run_stage(root, "train", epochs=3, ttt_steps=K, lr=5e-3, max_len=64, val_fraction=0.25)
     run_stage(root, "eval", **EVAL)
     return root

@@ -352,12 +352,12 @@ def test_fp8_states_without_a_fitting_scale_are_caught(project: Path):
 
 
 @pytest.mark.slow
-def test_train_and_eval_stages_read_fp8_shards(tmp_path: Path):
+def test_train_and_eval_stages_read_fp8_shards(tmp_path: Path, cycle_target: Path):
     """The train stage reads fp8 shards themselves (no dequantized copy on disk) and eval serves its draft: the
     tiny cycle target of tests/tiny_project.py, its states stored as the extract stage stores fp8."""
     from tests.tiny_project import make_project
 
-    root = make_project(tmp_path / "p", n_samples=16, n_heldout=2, dtype=FP8)
+    root = make_project(tmp_path / "p", n_samples=16, n_heldout=2, dtype=FP8, target=cycle_target)
     assert all(read_manifest(p)["format_version"] == 2 for p in shards(root))
     before = sorted(p.relative_to(root) for p in (root / layout.HIDDEN_STATES_DIR).iterdir())
     run_stage(root, "train", epochs=1, ttt_steps=2, lr=5e-3, max_len=64, val_fraction=0.25)

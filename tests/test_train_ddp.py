@@ -77,8 +77,8 @@ def stage_env(tmp: Path) -> dict[str, str]:
             "COLUMNS": "250"}  # rich wraps log lines at 80 columns otherwise
 
 
-def new_project(root: Path, train_params: dict) -> Path:
-    make_project(root, n_samples=48)
+def new_project(root: Path, train_params: dict, target: Path) -> Path:
+    make_project(root, n_samples=48, target=target)
     (root / "params.yaml").write_text(yaml.safe_dump({"train": train_params}))
     return root
 
@@ -188,9 +188,9 @@ def test_stock_distributed_setup_needs_an_accelerator() -> None:
 
 
 @pytest.fixture(scope="module")
-def one_and_two(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+def one_and_two(tmp_path_factory: pytest.TempPathFactory, cycle_target: Path) -> tuple[Path, Path, Path]:
     """The same tiny project trained by one process and by two (torchrun, traced), each through the CLI."""
-    one = new_project(tmp_path_factory.mktemp("one"), ONE)
+    one = new_project(tmp_path_factory.mktemp("one"), ONE, cycle_target)
     two = Path(shutil.copytree(one, one.parent / "two", symlinks=True))
     (two / "params.yaml").write_text(yaml.safe_dump({"train": TWO}))
     # one thread, as torchrun gives each rank: on 2 shared cores two threads fight (27 s an epoch vs 1.3 s)
@@ -255,8 +255,8 @@ def test_only_rank_0_writes(one_and_two: tuple[Path, Path, Path]) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_of_the_whole_group_then_rerun_resumes(tmp_path: Path) -> None:
-    root = new_project(tmp_path / "p", {**TWO, "epochs": 6})
+def test_sigkill_of_the_whole_group_then_rerun_resumes(tmp_path: Path, cycle_target: Path) -> None:
+    root = new_project(tmp_path / "p", {**TWO, "epochs": 6}, cycle_target)
     env = stage_env(tmp_path)
     cmd = [sys.executable, "-m", "pipeline", "train"]
     proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -287,8 +287,8 @@ def test_sigkill_of_the_whole_group_then_rerun_resumes(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_a_dead_rank_fails_the_stage_with_its_last_log_lines(tmp_path: Path) -> None:
-    root = new_project(tmp_path / "p", {**TWO, "epochs": 8})
+def test_a_dead_rank_fails_the_stage_with_its_last_log_lines(tmp_path: Path, cycle_target: Path) -> None:
+    root = new_project(tmp_path / "p", {**TWO, "epochs": 8}, cycle_target)
     proc = subprocess.Popen([sys.executable, "-m", "pipeline", "train"], cwd=root, env=stage_env(tmp_path),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for(root / layout.DRAFT_DIR / "0" / train.EPOCH_METRICS, proc)

@@ -7,6 +7,7 @@ convention, token frequencies and held-out prompts. Stand-in until the shared co
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -128,9 +129,11 @@ def write_verdict(root: Path) -> None:
 
 
 def make_project(root: Path, n_samples: int = 24, layer_ids: list[int] | None = None, n_heldout: int = 6,
-                 train: dict | None = None, eval_: dict | None = None, dtype: str = "float32") -> Path:
-    """Everything the train and eval stages read, under `root` (the stages use cwd-relative paths)."""
-    target_dir = make_target(root / "target")
+                 train: dict | None = None, eval_: dict | None = None, dtype: str = "float32",
+                 target: Path | None = None) -> Path:
+    """Everything the train and eval stages read, under `root` (the stages use cwd-relative paths). `target`: a
+    make_target() directory (seed 0) to copy rather than train again (tests/conftest.py `cycle_target`)."""
+    target_dir = make_target(root / "target") if target is None else Path(shutil.copytree(target, root / "target"))
     write_target(Target(path=target_dir.resolve(), embedded=False, fingerprint=fingerprint_model_dir(target_dir)),
                  root / layout.TARGET_JSON)
     make_shards(root / layout.HIDDEN_STATES_DIR, target_dir, n_samples, layer_ids or [2, 4, 5, NUM_LAYERS], dtype=dtype)
