@@ -172,7 +172,7 @@ def make(root: Path, target: str) -> subprocess.CompletedProcess:
     """`make <target>` as typed in project `root`, not on a terminal (its output is a log); set-up is not remade (-o)."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)  # bin/python finds the project's own pipeline/ from its root
-    return subprocess.run(["make", "-o", ".venv/.installed", target], cwd=root, env=env, capture_output=True,
+    return subprocess.run(["make", "-o", "setup", target], cwd=root, env=env, capture_output=True,
                           text=True, timeout=1800)
 
 

@@ -306,7 +306,7 @@ def test_model_dir_is_mounted_read_only_and_stages_run_offline(cpu_base, cpu_ima
     script = (f"echo uid=$((0+$(id -u))) cwd=$(pwd)/; touch {external_model}/x || echo model-ro-$((1+1)); "
               "python3 -c 'import socket; socket.create_connection((\"pypi.org\", 443), timeout=5)' "
               "2>/dev/null || echo offline-$((1+1)); python3 -c 'import pipeline, vllm; print(pipeline.__file__)'; exit\n")
-    out = in_terminal(root, ["make", "-o", ".venv/.installed", "docker-shell"], script)
+    out = in_terminal(root, ["make", "-o", "setup", "docker-shell"], script)
     uid = UID if os.getuid() == 0 else os.getuid()
     assert f"uid={uid} cwd={root}/" in out, out[-3000:]
     assert "Read-only file system" in out and "model-ro-2" in out, out[-3000:]
