@@ -3,7 +3,6 @@ this stack and this Python and that every wheel matches its checksum, before any
 
 from __future__ import annotations
 
-import hashlib
 import json
 import re
 import shutil
@@ -13,6 +12,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from pipeline.install.bundle import sha256
 
 
 @dataclass(frozen=True)
@@ -35,14 +36,6 @@ def _refuse(text: str) -> None:
     raise SystemExit(f"[setup] refused: BUNDLE: {text}")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _unpack(path: Path, parts: list[Path], into: Path) -> Path:
     sums = path / "bundle.tar.xz.sha256"
     if not sums.is_file():
@@ -53,7 +46,7 @@ def _unpack(path: Path, parts: list[Path], into: Path) -> Path:
         for part in parts:
             with open(part, "rb") as f:
                 shutil.copyfileobj(f, out, 1 << 20)
-    if _sha256(xz) != sums.read_text().split()[0]:
+    if sha256(xz) != sums.read_text().split()[0]:
         _refuse(f"the parts in {path} do not add up to the bundle {sums.name} names (a part missing, truncated or "
                 "from another bundle): copy them again")
     with tarfile.open(xz, "r:xz") as tar:
@@ -90,7 +83,7 @@ def open_bundle(path: Path | None, stack: str, python_version: str, on_top: bool
             _refuse(f"{path} leaves out what a host's Python holds (written with BUNDLE_HOST_PACKAGES or "
                     "BUNDLE_CUT_ARCH): install it on top of that Python, PYTHON=<its python>")
         bad = [name for name, digest in manifest["wheels"].items()
-               if not (root / "wheels" / name).is_file() or _sha256(root / "wheels" / name) != digest]
+               if not (root / "wheels" / name).is_file() or sha256(root / "wheels" / name) != digest]
         if bad:
             _refuse(f"{len(bad)} wheel(s) in {path} are missing or do not match manifest.json's sha256: "
                     f"{', '.join(bad[:5])}; copy the bundle again")
