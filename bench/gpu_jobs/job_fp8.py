@@ -53,4 +53,7 @@ def fp8_figures(jobs: dict, workload: str, disk_json: str | None) -> dict:
     out["verify_fp8_passed"] = verify.get("passed")
     out["verify_fp8_shards"] = verify.get("subset_shards")
     out["verify_fp8_s"] = verify.get("verify_s")
+    out["verify_fp8_gpu_peak_bytes"] = verify.get("gpu_peak_bytes")
+    out["verify_fp8_gpu_peaks"] = verify.get("gpu_peaks")
+    out["verify_fp8_host_peak_rss_bytes"] = verify.get("host_peak_rss_bytes")
     return out

@@ -114,6 +114,7 @@ def seed_figures(jobs: dict) -> dict:
     out["per_sample_fit_s"] = metrics.get("coherence_fit_seconds")
     out["per_sample_fit_inputs"] = verify.get("per_sample_fit_inputs")
     out["verify_process_peak_bytes"] = verify.get("gpu_peak_bytes")
+    out["verify_host_peak_rss_bytes"] = verify.get("host_peak_rss_bytes")
     out["verify_process_peak_over_budget"] = ratio(verify.get("gpu_peak_bytes"), budget)
     extract_stage_s = stage["tokens"] / stage["stage_tok_s"] if stage.get("tokens") and stage.get("stage_tok_s") else None
     out["extract_stage_s"] = extract_stage_s

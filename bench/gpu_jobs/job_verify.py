@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import resource
 import shutil
 import time
 from pathlib import Path
@@ -154,6 +155,8 @@ def job_verify(state: dict, name: str) -> dict:
         **cal,
         "gpu_peak_bytes": peak,
         "gpu_peaks": peaks.parts,
+        # the child process's own host peak (it runs verify alone): ru_maxrss is in KiB on Linux
+        "host_peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "per_sample_fit_inputs": fit_inputs(shards.read_meta(hs_dst)),
         "subset_shards": n_shards,
         "reference_budget_bytes": int(budget["reference_memory_gib"] * 2**30) if budget else None,
