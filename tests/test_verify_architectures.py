@@ -34,8 +34,8 @@ DEEPSEEK_STEPS = 200
 LLAMA_SAMPLES = 60
 
 
-def plant_every_class(root: Path, reference_samples: int) -> dict[int, tuple[str, str, int | None]]:
-    """Plant each class of FAULTS into its own victim; victim id -> (class, shard name, index of the layer named)."""
+def plant_every_class(root: Path, reference_samples: int, faults: list[str] = FAULTS) -> dict[int, tuple[str, str, int | None]]:
+    """Plant each class of `faults` into its own victim; victim id -> (class, shard name, index of the layer named)."""
     every = samples_of(root)
     refs = set(reference_selection(list(every), VerifyParams(reference_samples=reference_samples)))
     longest = max(s.input_ids.numel() for _, s in every.values())
@@ -48,13 +48,13 @@ def plant_every_class(root: Path, reference_samples: int) -> dict[int, tuple[str
                   if sid not in refs and 100 <= s.input_ids.numel() < longest]
     victims: list[int] = []
     for sid in candidates:
-        if len(victims) == len(FAULTS):
+        if len(victims) == len(faults):
             break
         if source(sid) not in victims and all(source(v) != sid for v in victims):
             victims.append(sid)
-    assert len(victims) == len(FAULTS), "too few samples to plant every class apart"
+    assert len(victims) == len(faults), "too few samples to plant every class apart"
     planted = {}
-    for fault, sid in zip(FAULTS, victims, strict=True):
+    for fault, sid in zip(faults, victims, strict=True):
         shard, named = plant(root, fault, sid)
         planted[sid] = (fault, shard, named)
     return planted

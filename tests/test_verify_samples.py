@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pipeline import layout
 from pipeline.errors import PipelineError
-from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, write_shard
+from pipeline.hidden_states import fp8
+from pipeline.hidden_states.format import Sample, complete_shards, load_sample, read_manifest, stored, write_shard
 from pipeline.params import VerifyParams
 from pipeline.verification.reference.check import reference_selection
 from tests.conftest import copy_project, run_stage
@@ -46,15 +48,22 @@ def victim(root: Path, min_len: int = 100) -> int:
 
 
 def replant(root: Path, sid: int, new_states: torch.Tensor) -> str:
-    """Rewrite `sid`'s shard with `new_states` for that sample, as the extractor would have written it."""
+    """Rewrite `sid`'s shard with `new_states` for that sample, as the extractor would have written it (fp8 shards:
+    the sample quantized by `format.stored`, the other samples' stored bytes kept)."""
     shard, _ = samples_of(root)[sid]
     manifest = read_manifest(shard)
     extra = {k: v for k, v in manifest.items() if k not in
              ("format", "format_version", "shard_index", "file", "bytes", "sha256", "sample_ids", "num_tokens", "layer_stats")}
-    samples = [load_sample(shard, s) for s in manifest["sample_ids"]]
-    for s in samples:
-        if s.sample_id == sid:
+    raw = load_file(str(shard))
+    samples = []
+    for s in (load_sample(shard, i) for i in manifest["sample_ids"]):
+        if f"{s.sample_id}/hidden_states_fp8" in raw:  # fp8: as stored, or the new states quantized
+            states = new_states.float().contiguous() if s.sample_id == sid else raw[f"{s.sample_id}/hidden_states_fp8"]
+            scale = None if s.sample_id == sid else raw[f"{s.sample_id}/hidden_states_scale"]
+            s = stored(Sample(s.sample_id, s.input_ids, s.loss_mask, states, None, scale), fp8.STORAGE_DTYPE)
+        elif s.sample_id == sid:
             s.hidden_states = new_states.to(s.hidden_states.dtype).contiguous()
+        samples.append(s)
     write_shard(shard.parent, manifest["shard_index"], samples, extra)
     return shard.stem
 

@@ -40,6 +40,24 @@ def robust(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return median, ((x - median).abs().median(0).values * 1.4826).clamp_min(1e-6)
 
 
+def rounding_sigmas(scores: list[SampleScores], window: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """fp8 states: per test, the least robust sigma its scores are judged with, the standard deviation the rounding
+    alone leaves in them (`SampleScores.rounding`, per position; a mean of n logs has mean(u^2) / n of variance):
+    [K] the run's median over the windows of `window_scores` (`window` judged positions, the largest left out), and
+    [N, K] each sample's over its whole mean. Where most positions sit on the rounding's floor, the run's own spread
+    collapses to the floor's and is no measure of a clean window's; None: not fp8."""
+    if any(s.rounding is None for s in scores):
+        return None
+    windows, whole = [], []
+    for s in scores:
+        u2 = s.rounding.double().square()
+        m = min(window, u2.shape[0])
+        kept = m - 1 if m >= 3 else m
+        windows.append((u2.T.unfold(1, m, 1).mean(-1) / kept).sqrt().T)
+        whole.append((u2.mean(0) / u2.shape[0]).sqrt())
+    return torch.cat(windows).median(0).values, torch.stack(whole)
+
+
 def whole_sample_means(scores: list[SampleScores], folds: list[int]) -> torch.Tensor:
     """[N, K]: each sample's mean log score over its judged positions, each position first centred on the median of
     its fold's runs at positions of its range [2^k, 2^(k+1)). How well a state is predicted changes with the context
@@ -65,13 +83,14 @@ def whole_sample_means(scores: list[SampleScores], folds: list[int]) -> torch.Te
     return torch.stack([(lg - offsets[f][r]).mean(0) for lg, r, f in zip(logs, ranges, folds, strict=True)])
 
 
-def whole_sample_z(whole: torch.Tensor, folds: list[int]) -> torch.Tensor | None:
+def whole_sample_z(whole: torch.Tensor, folds: list[int], least_sigma: torch.Tensor | None = None) -> torch.Tensor | None:
     """[N, K] samples' mean log scores -> robust z against the samples scored by the same predictors (the same fold):
     the two folds' maps differ in how well they predict, so samples scored by different maps are not one population
     (the seed's width on the H200, 33k fit rows per fold for 28,673 inputs: the 79 clean samples of fold 0, every one
     of them, failed the raw-share tests judged against all 160, shares 0.161-0.166 against a median of 0.155, z up
     to 10.1). A fold of fewer than FOLD_MIN_SAMPLES samples is judged against all samples; None: fewer than
-    WHOLE_MIN_SAMPLES in all (the test is not run)."""
+    WHOLE_MIN_SAMPLES in all (the test is not run). `least_sigma` [N, K] (fp8: `rounding_sigmas`): the sigma is never
+    below the median of the judged samples' own."""
     if whole.shape[0] < WHOLE_MIN_SAMPLES:
         return None
     z = torch.empty_like(whole)
@@ -79,6 +98,8 @@ def whole_sample_z(whole: torch.Tensor, folds: list[int]) -> torch.Tensor | None
     for fold in fold_of.unique().tolist():
         rows = fold_of == fold
         median, sigma = robust(whole[rows] if int(rows.sum()) >= FOLD_MIN_SAMPLES else whole)
+        if least_sigma is not None:
+            sigma = torch.maximum(sigma, least_sigma[rows].median(0).values)
         z[rows] = (whole[rows] - median) / sigma
     return z
 

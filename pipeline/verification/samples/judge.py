@@ -24,6 +24,7 @@ from pipeline.verification.samples.calibration import (
     WITHIN_Z_FACTOR,
     calibrated,
     robust,
+    rounding_sigmas,
     tail_kind,
     tail_threshold,
     whole_sample_means,
@@ -65,7 +66,7 @@ def centre_early_positions(scores: list[SampleScores], columns: slice) -> list[S
     for s, b in zip(scores, buckets, strict=True):
         shares = s.shares.clone()
         shares[:, columns] = (shares[:, columns].double() * (-offsets[b]).exp()).to(shares.dtype)
-        out.append(SampleScores(s.sample, s.positions, shares, s.exchange))
+        out.append(SampleScores(s.sample, s.positions, shares, s.exchange, rounding=s.rounding))
     return out
 
 
@@ -144,11 +145,15 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
     median, sigma = robust(pooled)
     local = [w - w.median(0).values for _, _, w in per_sample if w.shape[0] >= WITHIN_MIN_WINDOWS * window]
     within_median, within_sigma = robust(torch.cat(local)) if local else (None, None)
+    rounding = rounding_sigmas([s for _, s, _ in per_sample], window)  # fp8: the least sigma the rounding leaves
+    if rounding is not None:
+        sigma = torch.maximum(sigma, rounding[0])
+        within_sigma = torch.maximum(within_sigma, rounding[0]) if local else None
     # whole-sample test: each sample's mean log score over all its judged positions (each centred on its range of
     # positions), against the other samples' of its fold
     folds = [coherence.fold(s.sample) for _, s, _ in per_sample]
     whole = whole_sample_means([s for _, s, _ in per_sample], folds)
-    whole_z = whole_sample_z(whole, folds)
+    whole_z = whole_sample_z(whole, folds, rounding[1] if rounding is not None else None)
     tests = pooled.numel() + sum(w.numel() for w in local) + (whole.numel() if whole_z is not None else 0)
     identity = None
     if all(s.next_token is not None for _, s in scores):  # the token-identity test, where the scan read the final head
@@ -183,6 +188,8 @@ def check_samples(report: Report, scores: list[tuple[str, SampleScores]], cohere
         "whole_sample_threshold_rule": whole_rule,
         "population_median_share": [float(v) for v in pop_share],
         "robust_sigma_log": [float(v) for v in sigma],
+        # fp8: the least sigma of each test, the rounding's own in a window's score (robust_sigma_log is never below it)
+        "rounding_sigma_log": [float(v) for v in rounding[0]] if rounding is not None else None,
         "within_robust_sigma_log": [float(v) for v in within_sigma] if local else None,
         "within_z_threshold": [round(float(v), 3) for v in within_threshold],
         "within_threshold_rule": within_rule,  # "tail": fitted to the run's within scores; "factor": WITHIN_Z_FACTOR z*

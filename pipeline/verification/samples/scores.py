@@ -47,7 +47,7 @@ from pipeline.verification.samples.energy import share_scale, squared_norm
 from pipeline.verification.samples.exchange import EXCHANGE_POSITIONS, ExchangeTest
 from pipeline.verification.samples.least_squares import FoldFit, fit_folds
 from pipeline.verification.samples.positions import BATCH_ROWS, batches, judged_positions, row_spans, seeded_draw
-from pipeline.verification.samples.rounding import RoundingFloor
+from pipeline.verification.samples.rounding import RoundingFloor, rounding_uncertainty
 
 INDICES_PER_ROW = 8  # int64 indices a batch uploads per judged row, at most (Coherence._indices)
 REFIT_Z = 4.0  # robust sigmas off the other fitted samples' mean share: left out of the second fit
@@ -69,6 +69,9 @@ class SampleScores:
     exchange: torch.Tensor | None = None
     # [P] the next-token test's scores (pipeline/verification/samples/next_token.py), set by the scan where the target's head is loaded
     next_token: torch.Tensor | None = None
+    # [P, 3L + 3] fp8 states: per test the standard deviation the rounding leaves in the log of each share (0 where a
+    # test keeps the rounding in its energies: the contrast ratios), `rounding.rounding_uncertainty`; None: not fp8
+    rounding: torch.Tensor | None = None
 
 
 class Coherence(RoundingFloor, ExchangeTest):
@@ -214,8 +217,9 @@ class Coherence(RoundingFloor, ExchangeTest):
         residual = (target - pred).pow(2).sum(-1)
         if fold is not None:
             noise, own, variance = self._rounding_noise(h, fold)
-            residual = torch.cat([self._beyond_rounding(residual[:, :L], noise, variance, self._noise_gains(fold)),
-                                  self._beyond_rounding(residual[:, L:], own[:, :1], variance[:, :H], torch.ones(H, 1, device=h.device))], 1)
+            residual = torch.cat([self._beyond_rounding(residual[:, :L], noise, variance, self._noise_gains(fold))[0],
+                                  self._beyond_rounding(residual[:, L:], own[:, :1], variance[:, :H],
+                                                        torch.ones(H, 1, device=h.device))[0]], 1)
         return torch.addcmul(floor, residual, scale)
 
     def score(self, sid: int, hidden: np.ndarray, dtype: str, ids: torch.Tensor) -> SampleScores:
@@ -384,16 +388,22 @@ class Coherence(RoundingFloor, ExchangeTest):
         # the contrast ratios keep the rounding in both energies: less it, a row whose contrast is about its share (both
         # near the rounding's energy) becomes a ratio of two small differences (fp8, tiny project: 1e5, a false alarm)
         ratio, as_stored = share / contrast.clamp_min(1e-30), share  # the exchange test too: both its energies keep it
+        uncertain = None  # fp8: [n, 3L + 3], the rounding's standard deviation in each test's log share
         if self.quantized:  # the residual shares less each residual's expected rounding energy (`_rounding_noise`)
-            beyond = torch.empty_like(energies)
+            beyond, spread = torch.empty_like(energies), torch.empty_like(energies)
             variance = torch.empty(n, L * H, device=self.device)
             for fold, (a, b) in fold_rows.items():
                 noise, own, variance[a:b] = self._rounding_noise(stored[a:b], fold)
-                beyond[a:b, :L] = self._beyond_rounding(energies[a:b, :L], noise, variance[a:b], self._noise_gains(fold))
+                beyond[a:b, :L], spread[a:b, :L] = self._beyond_rounding(energies[a:b, :L], noise, variance[a:b],
+                                                                         self._noise_gains(fold))
                 # the first layer from E: its own rounding only
-                beyond[a:b, L:] = self._beyond_rounding(energies[a:b, L:], own[:, :1], variance[a:b, :H],
-                                                        torch.ones(H, 1, device=self.device))
+                beyond[a:b, L:], spread[a:b, L:] = self._beyond_rounding(energies[a:b, L:], own[:, :1], variance[a:b, :H],
+                                                                         torch.ones(H, 1, device=self.device))
             share = torch.addcmul(floor, beyond, scale)
+            uncertain = torch.zeros(n, tests_per_position(L), device=self.device)
+            raw_uncertain = rounding_uncertainty(beyond[:, :L], spread[:, :L])
+            uncertain[:, L + 2 : 2 * L + 2] = raw_uncertain
+            uncertain[:, 2 * L + 2] = raw_uncertain.square().sum(1).sqrt() / L  # the log of a geometric mean of L
         raw = share[:, :L]
         # over all layers, of the ratios and of the shares: [n, 2]
         geometric = torch.stack([ratio[:, :L], raw], 1).clamp_min(1e-30).log().mean(2).exp()
@@ -406,7 +416,8 @@ class Coherence(RoundingFloor, ExchangeTest):
         if self.quantized:
             for (fold, half), (a, b) in half_rows.items():
                 gains = self._noise_gains(fold, half)
-                white[a:b] = self._beyond_rounding(white[a:b], variance[a:b] @ gains, variance[a:b], gains)
+                white[a:b], white_spread = self._beyond_rounding(white[a:b], variance[a:b] @ gains, variance[a:b], gains)
+                uncertain[a:b, 2 * L + 3 :] = rounding_uncertainty(white[a:b], white_spread)
         white = torch.addcmul(floor[:, :L], white, scale[:, :L])
         tests = torch.cat([ratio, geometric[:, :1], raw, geometric[:, 1:], white], 1)
         exchange = torch.zeros(samples, max(L - 1, 0), device=self.device)
@@ -414,10 +425,13 @@ class Coherence(RoundingFloor, ExchangeTest):
             gain = self._exchange_gain(stored[tried], residual[tried], inverse[tried], as_stored[tried, :L], folds, kept)
             exchange = exchange.index_add_(0, of_sample, gain) / kept_rows[:, None]
         finals = stored[final_rows, L - 1]  # before the host copy, which then waits for it too: another stream reads it
-        # one host copy for the batch (tests and exchange together)
-        out = torch.cat([tests.flatten(), exchange.flatten().to(tests.dtype)]).cpu()
-        tests, exchange = out[: tests.numel()].reshape(tests.shape), out[tests.numel() :].double().reshape(exchange.shape)
-        scores = {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i])
+        # one host copy for the batch (tests, exchange and the rounding's uncertainty together)
+        parts = [tests.flatten(), exchange.flatten().to(tests.dtype)] + ([uncertain.flatten()] if uncertain is not None else [])
+        out = torch.cat(parts).cpu().split([part.numel() for part in parts])
+        tests, exchange = out[0].reshape(tests.shape), out[1].double().reshape(exchange.shape)
+        uncertain = out[2].reshape(tests.shape) if uncertain is not None else None
+        scores = {sid: SampleScores(sid, positions, tests[s : s + k], exchange[i],
+                                    rounding=uncertain[s : s + k] if uncertain is not None else None)
                   for i, ((sid, _, _, positions, *_), s, k) in enumerate(zip(batch, starts, lengths, strict=True))}
         return scores, finals
 
