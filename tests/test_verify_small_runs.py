@@ -5,7 +5,7 @@ Per architecture the embedded target as params.yaml builds it, trained by the mo
 steps or less (a weakly trained target's states are the least predictable from each other), then clean runs
 of several sizes (`data.max_samples`), data seeds and stored dtypes, each through `dvc repro verify` (check, prepare,
 extract, verify), some judged again under another `verify.seed` (other folds, halves, judged positions and reference
-samples: only verify re-runs). 3 min 14 s on the 2-core CPU. Every run must pass, with the whole-sample tests reported not run
+samples: only verify re-runs). About 4 min 10 s on the 2-core CPU. Every run must pass, with the whole-sample tests reported not run
 (each sample is one of their scores, and their threshold is fitted to the tail of 300: judged at the normal z* with
 the median of 8-24 samples a fold, clean runs of these sizes failed, docs/ARCHITECTURE.md "Per-sample tests: what is
 caught, what cannot be") in the stage's lines, the report, metrics/verify.json and the verdict.
