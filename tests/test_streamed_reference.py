@@ -128,6 +128,21 @@ def test_verify_streams_under_a_small_budget_with_the_same_verdict(extracted: Pa
 
 
 @pytest.mark.slow
+def test_a_flagged_sample_is_confirmed_by_the_streamed_reference(extracted: Path, project_root: Path, tmp_path: Path):
+    """Under a budget below the whole model, a sample the per-sample tests flag is streamed through the reference
+    again, its own tokens, and fails with the disagreement as evidence."""
+    from tests.test_verify_samples import VERIFY, plant, victim
+
+    root = copy_project(project_root, tmp_path / "faulty", layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
+    sid = victim(root)
+    plant(root, "noise", sid)
+    with pytest.raises(PipelineError, match=rf"sample={sid}, .*confirmed: the stored states disagree with the reference"):
+        run_stage(root, "verify", **VERIFY, reference_memory_gib=0.003)
+    metrics = json.loads((root / layout.METRICS / "verify.json").read_text())
+    assert metrics["reference"] == "streamed" and metrics["flagged_samples_confirmed"] == [sid]
+
+
+@pytest.mark.slow
 def test_verify_rejects_a_budget_below_the_smallest_unit(extracted: Path, project_root: Path, tmp_path: Path):
     root = copy_project(project_root, tmp_path, layout.TARGET_JSON, layout.PREPARED_DIR, layout.HIDDEN_STATES_DIR)
     with pytest.raises(PipelineError, match=r"verify.reference_memory_gib: 1e-06 GiB .* set it to at least"):

@@ -131,6 +131,10 @@ def test_fault_in_one_sample_is_caught_and_named(project: Path, fault: str):
     assert ("positions " in line and "Evidence" in line and "median" in line) or "exchanged" in line
     report = (project / layout.REPORTS / "verify" / "report.md").read_text()
     assert f"sample={sid}" in report and "Per-sample tests" in report
+    # re-run through the reference forward before it is called corrupt: it disagrees, and is not cleared
+    metrics = json.loads((project / layout.METRICS / "verify.json").read_text())
+    assert metrics["flagged_samples_confirmed"] == [sid] and metrics["num_cleared"] == 0, metrics["flagged_samples_cleared"]
+    assert "confirmed: the stored states disagree with the reference forward of its tokens" in report
 
 
 def test_clean_run_reports_the_per_sample_tests(project: Path):

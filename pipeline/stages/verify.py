@@ -39,6 +39,7 @@ from pipeline.verification.reference.check import (  # noqa: F401
     check_reference,
     reference_selection,
 )
+from pipeline.verification.reference.confirm import confirm_flagged, flagged_samples
 from pipeline.verification.reference.model import FinalHeadModel, load_final_head, load_references
 from pipeline.verification.reference.streamed import choose_reference, shard_sequences, stream_references
 from pipeline.verification.report import CHECKS, REPORT_DIR, Report, not_run_line, write_outputs
@@ -106,6 +107,14 @@ def run(params: VerifyParams) -> None:
     t0 = time.perf_counter()
     check_reference(report, params, meta, layer_ids, refs, sample_to_shard)
     report.summary["reference_check_seconds"] = round(time.perf_counter() - t0, 3)
+    flagged = flagged_samples(report)
+    if flagged:  # before they are called corrupt: the flagged samples' own reference forward
+        t0 = time.perf_counter()
+        if choice.streamed:
+            refs = stream_references(target.path, computed, shard_sequences(sorted(flagged), sample_to_shard), choice, head,
+                                     target.trust_remote_code)
+        confirm_flagged(report, params, meta, layer_ids, refs, sample_to_shard, flagged)
+        report.summary["flagged_samples_seconds"] = round(time.perf_counter() - t0, 3)
     check_final_state_rates(report, params)
     report.summary["verify_seconds"] = round(time.perf_counter() - started, 3)
     extract_metrics = METRICS / "extract.json"
@@ -136,6 +145,8 @@ def run(params: VerifyParams) -> None:
         f"{len(s.get('audited_shards', []))} shards hashed and re-derived in full")
     say("[verify] " + ", ".join(f"{check} pass" for check in CHECKS)
         + f": all checks passed on {len(prepared)} samples ({s['verify_seconds']:.1f} s); report: {REPORT_DIR / 'report.md'}")
+    for f in report.cleared():
+        say(f"[verify] flagged, then cleared: {f.where()}: {f.message}")
     if report.not_run:
         say(f"[verify] {report.verdict()}:" + "".join(f"\n[verify]   {not_run_line(e)}" for e in report.not_run))
 

@@ -23,7 +23,8 @@ class Finding:
     shard: str | None = None
     sample: int | None = None
     layer: int | None = None
-    severity: str = "fail"  # fail | warn
+    severity: str = "fail"  # fail | warn | cleared (a flagged sample the reference forward agrees with)
+    positions: list[int] | None = None  # [first, last] positions a per-sample test flagged
 
     def where(self) -> str:
         parts = [f"{k}={v}" for k, v in (("shard", self.shard), ("sample", self.sample), ("layer", self.layer)) if v is not None]
@@ -47,6 +48,15 @@ class Report:
 
     def warn(self, check: str, message: str, **where) -> None:
         self.findings.append(Finding(check, message, severity="warn", **where))
+
+    def clear(self, check: str, sample: int, evidence: str) -> None:
+        """`sample`'s failures of `check` cleared: kept as findings, with the evidence that clears them."""
+        for f in self.findings:
+            if f.severity == "fail" and f.check == check and f.sample == sample:
+                f.severity, f.message = "cleared", f"{f.message}; cleared: {evidence}"
+
+    def cleared(self) -> list[Finding]:
+        return [f for f in self.findings if f.severity == "cleared"]
 
     def failures(self, check: str | None = None) -> list[Finding]:
         return [f for f in self.findings if f.severity == "fail" and (check is None or f.check == check)]
@@ -80,6 +90,7 @@ def write_outputs(report: Report, meta: dict) -> None:
         "checks": status,
         "num_failures": len(failures),
         "num_warnings": sum(f.severity == "warn" for f in report.findings),
+        "num_cleared": len(report.cleared()),
         "layer_ids": meta["layer_ids"],
         "dtype": meta["dtype"],
         **{k: v for k, v in report.summary.items() if k not in ("per_shard_next_token_acc", "per_shard_positions")},
@@ -166,6 +177,14 @@ def render_markdown(report: Report, metrics: dict, status: dict, plots: list[str
         out += ["## Failures", "", "| check | where | what |", "| --- | --- | --- |"]
         out += [f"| {f.check} | {f.where()} | {f.message} |" for f in failures[:200]]
         out.append("")
+    cleared = report.cleared()
+    if cleared:
+        out += ["## Flagged, then cleared by the reference forward", "",
+                "The per-sample tests flagged these samples; re-run through the reference forward of their own tokens, "
+                "their stored states agree with it on every captured layer over the flagged positions, at the reference "
+                "check's tolerance: clean samples that the other samples' linear maps explain poorly, not faults.", "",
+                "| check | where | what |", "| --- | --- | --- |"]
+        out += [f"| {f.check} | {f.where()} | {f.message} |" for f in cleared[:200]] + [""]
     if report.not_run:
         out += ["## Tests not run", "", "Too few of what these tests are calibrated on: the run passes what it could judge, "
                 "and these tests judged nothing (neither pass nor fail).", ""]

@@ -301,7 +301,7 @@ def check_token_identity(report: Report, scores: list[tuple[str, SampleScores]],
                 f"lm_head. Evidence (token-identity test: the token test's ratio and the next-token contrast as normal "
                 f"scores of their ranks in the run, summed) {evidence} (false-alarm bound {params.sample_false_alarm:g} "
                 f"for the run)",
-                shard=shard, sample=s.sample, layer=layer_ids[0],
+                shard=shard, sample=s.sample, layer=layer_ids[0], positions=[first, last],
             )
     return {"window_positions": length * params.sample_stride, "max_window_z": max_window,
             "window_z_threshold": round(float(threshold[0]), 3), "window_threshold_rule": rule,
@@ -369,5 +369,5 @@ def fail_windows(report, shard, s, w, z, bad, kind, names, layer_ids, median, wi
         f"residual share {value:.3g} of the state's energy over {min(window, n)} judged positions, against the run's "
         f"median {float(median[worst].exp()):.3g}; z = {float(z[peak, worst]):.1f} robust sigmas from {kind} > {z_star:.1f} "
         f"(false-alarm bound {params.sample_false_alarm:g} for the run)" + (f"; also off: {', '.join(others)}" if others else ""),
-        shard=shard, sample=s.sample, layer=layer_ids[named],
+        shard=shard, sample=s.sample, layer=layer_ids[named], positions=[first, last],
     )
