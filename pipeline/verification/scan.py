@@ -46,7 +46,7 @@ from pipeline.verification.report import Finding
 from pipeline.verification.samples.next_token import answered_positions, contrast_scores, contrast_tokens
 from pipeline.verification.samples.positions import batch_capacity, judged_positions
 from pipeline.verification.samples.scores import INDICES_PER_ROW
-from pipeline.verification.shard_view import _NUMPY_VIEW, ShardView, read_final_rows
+from pipeline.verification.shard_view import _NUMPY_VIEW, ShardView, map_shard, read_final_rows
 from pipeline.verification.values import bad_values, suspect_layers
 
 _ShardView = ShardView  # the name tests and benches know
@@ -277,10 +277,7 @@ def scan_shard(path: Path, ctx: ScanContext, full_read: Future | None = None) ->
         scan.fail("structure", f"tensors of dtype {unknown}: not one this format uses")
         return scan
     scan.read_ok = True
-    # pages are read only where a view is used; a plain ndarray of the map (its slices are not np.memmap objects, each
-    # made through Python-level hooks)
-    data = np.asarray(np.memmap(path, dtype=np.uint8, mode="r"))
-    shard = ShardView(data, header, data_start)
+    shard = map_shard(path, header, data_start, read_whole=scan.audited)
     scan_samples(scan, shard, sample_ids, records or {}, ctx, full.stats if full is not None else {})
     return scan
 
@@ -346,6 +343,7 @@ def scan_samples(
         scan.tokens += T
         if ctx.coherence is not None:
             to_score.append((sid, hs, shard.kind(name), ids))
+            shard.prefetch(name, judged_positions(T, ctx.coherence.stride, ctx.coherence.seed, sid))
         positions = np.flatnonzero(mask[:-1])
         scan.masked_positions += len(positions)
         if from_scoring:
