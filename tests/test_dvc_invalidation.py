@@ -252,9 +252,6 @@ def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(pro
         set_param(project, section, name, value)
     assert reproduce(project) == {"check"}, f"{[k for k, _ in tuning]} are engine tuning: only the check runs"
 
-    set_param(project, "extract", "layer_ids", [1, 4, 6, 8])
-    assert reproduce(project) == {"check", "extract", "verify", "train", "eval"}
-
     # with regeneration off, regenerate writes the same {"enabled": false}: prepare re-runs for its own key
     set_param(project, "data", "seq_len", 200)
     assert reproduce(project) == {"check", "regenerate", "prepare", "extract", "verify", "train", "eval"}
@@ -274,7 +271,7 @@ def test_a_changed_key_reruns_its_stages_and_what_their_changed_outputs_feed(pro
     before = digests(project, output_files(project))
     set_param(project, "eval", "max_tokens", TINY["eval"]["max_tokens"])
     repro_restores(project, {"check", "eval"})
-    set_param(project, "eval", "max_tokens", 6)
+    set_param(project, "eval", "max_tokens", 6)  # and forward again, to the value run above: no run, the same bytes
     repro_restores(project, {"check", "eval"})
     assert digests(project, output_files(project)) == before
     # params.yaml as a whole is new (only the check's output is the same bytes): the check runs, verify is restored
