@@ -150,10 +150,20 @@ def check_reference(report: Report, params: VerifyParams, meta: dict, layer_ids:
         )
 
 
+def allowed_error(params: VerifyParams, dtype: str, ref_abs_max: float, calibration: float,
+                  quantization_bound: float | None = None) -> float:
+    """What a captured layer may be off the fp32 reference: fp32, a max abs error of `fp32_max_abs_error` (relative to
+    the reference's largest value); low precision, a relative error of `bf16_error_ratio` x the independent
+    low-precision reference's (`calibration`, never below bf16's rounding), plus fp8's quantization bound."""
+    if dtype == "float32":
+        return params.fp32_max_abs_error * max(1.0, ref_abs_max)
+    return params.bf16_error_ratio * max(calibration, BF16_REL_FLOOR) + (quantization_bound or 0.0)
+
+
 def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row: dict, calibration: agreement.PooledError | None) -> None:
     lid = row["layer_id"]
     if dtype == "float32":
-        allowed = params.fp32_max_abs_error * max(1.0, row["ref_abs_max"])
+        allowed = allowed_error(params, dtype, row["ref_abs_max"], 0.0)
         row["allowed"] = allowed
         if row["max_abs_error"] > allowed:
             report.fail(
@@ -166,12 +176,10 @@ def check_layer_tolerance(report: Report, params: VerifyParams, dtype: str, row:
     # both pooled over all reference tokens, so that the MoE routing flips bf16 rounding causes in
     # either forward count as much as they weigh (docs/ARCHITECTURE.md, "Verify: the checks and their tolerances")
     cal = max(calibration.rel_rms if calibration else 0.0, BF16_REL_FLOOR)
-    allowed = params.bf16_error_ratio * cal
-    if "quantization_bound" in row:
-        # fp8 storage: ||Q(x) - r|| <= ||Q(x) - x|| + ||x - r||, the first at most the per-element bound of the
-        # stored values (pipeline/hidden_states/fp8.py), the second judged as a bf16 capture's is (the engine's
-        # output x is bf16); the calibration is the independent bf16 reference's error (unquantized)
-        allowed += row["quantization_bound"]
+    # fp8 storage: ||Q(x) - r|| <= ||Q(x) - x|| + ||x - r||, the first at most the per-element bound of the stored
+    # values (pipeline/hidden_states/fp8.py), the second judged as a bf16 capture's is (the engine's output x is
+    # bf16); the calibration is the independent bf16 reference's error (unquantized)
+    allowed = allowed_error(params, dtype, 0.0, cal, row.get("quantization_bound"))
     row["calibration_rel_rms_error"] = cal
     if calibration:
         row["calibration_token_rel_error_p50"] = calibration.quantile(0.5)

@@ -21,7 +21,7 @@ from pipeline.hidden_states import format as shard_format
 from pipeline.hidden_states import fp8
 from pipeline.params import VerifyParams
 from pipeline.progress import progress
-from pipeline.verification.reference.check import BF16_REL_FLOOR
+from pipeline.verification.reference.check import allowed_error
 from pipeline.verification.reference.model import References
 from pipeline.verification.report import Finding, Report
 
@@ -77,14 +77,13 @@ def confirm_flagged(report: Report, params: VerifyParams, meta: dict, layer_ids:
 
 def layer_agreement(params: VerifyParams, dtype: str, captured: torch.Tensor, ref: torch.Tensor, row: dict,
                     low: torch.Tensor | None, bound: torch.Tensor | None) -> tuple[float, float]:
-    """One layer's error over the flagged positions and what the reference check allows: fp32, the max abs error
-    against `fp32_max_abs_error` (relative to the reference's largest value); otherwise the relative error against
-    `bf16_error_ratio` x the independent low-precision reference's over the same positions (or the run's, or bf16's
-    rounding, whichever is largest: a routing flip in the span raises both forwards'), plus fp8's per-element bound."""
+    """One layer's error over the flagged positions and what the reference check allows (`check.allowed_error`): fp32,
+    the max abs error; otherwise the relative error, calibrated by the independent low-precision reference's over the
+    same positions or the run's, whichever is larger (a routing flip in the span raises both forwards'), plus fp8's
+    per-element bound over the span."""
     if dtype == "float32":
-        return float((captured - ref).abs().max()), params.fp32_max_abs_error * max(1.0, float(ref.abs().max()))
+        return float((captured - ref).abs().max()), allowed_error(params, dtype, float(ref.abs().max()), 0.0)
     norm = float(ref.norm()) or 1e-30
-    calibration = max(float((low - ref).norm()) / norm if low is not None else 0.0,
-                      row.get("calibration_rel_rms_error", 0.0), BF16_REL_FLOOR)
-    allowed = params.bf16_error_ratio * calibration + (float(bound.norm()) / norm if bound is not None else 0.0)
-    return float((captured - ref).norm()) / norm, allowed
+    calibration = max(float((low - ref).norm()) / norm if low is not None else 0.0, row.get("calibration_rel_rms_error", 0.0))
+    quantization = float(bound.norm()) / norm if bound is not None else None
+    return float((captured - ref).norm()) / norm, allowed_error(params, dtype, 0.0, calibration, quantization)
